@@ -1,0 +1,257 @@
+"""Engine configuration: frozen dataclasses, validated on construction.
+
+`EngineConfig.from_args` is the one place where user-facing arguments (the vLLM-shaped
+keywords of `LLM(...)` and the CLI) become typed config. Everything downstream reads these
+objects and never re-parses arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from engine.weights.hub import resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
+
+
+def _resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"Unknown dtype {dtype!r}. Choose one of: auto, {', '.join(_DTYPES)}.")
+        return _DTYPES[dtype]
+    if device == "cpu":
+        # CPUs here have no bf16 instructions (bf16 matmul is ~6x slower than fp32).
+        return torch.float32
+    cfg_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(cfg_dtype, str):
+        cfg_dtype = _DTYPES.get(cfg_dtype, torch.float32)
+    if cfg_dtype in (None, torch.float32):
+        return torch.float32 if cfg_dtype is not None else torch.bfloat16
+    return cfg_dtype
+
+
+def load_hf_config(path: Path) -> PretrainedConfig:
+    """Load and check `config.json`, with errors that say what is wrong and what to do."""
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path))
+    except (ValueError, OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"Malformed model config at {path / 'config.json'}: {e}") from e
+    archs = getattr(hf_config, "architectures", None) or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ValueError(
+            f"Model architectures {archs} are not supported. Supported architectures: "
+            f"{list(SUPPORTED_ARCHITECTURES)}."
+        )
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        value = getattr(hf_config, name, None)
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(
+                f"Malformed model config at {path}: `{name}` must be a positive integer, "
+                f"got {value!r}."
+            )
+    return hf_config
+
+
+def load_generation_config(path: Path) -> dict[str, Any]:
+    gen_path = path / "generation_config.json"
+    if not gen_path.exists():
+        return {}
+    with open(gen_path) as f:
+        return json.load(f)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    path: Path
+    hf_config: PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    load_format: str = "auto"
+    # The HF generation_config.json contents, or {} when `generation_config="vllm"`.
+    generation_config: dict[str, Any] = field(default_factory=dict)
+    tokenizer: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        assert self.load_format in ("auto", "safetensors", "dummy"), self.load_format
+        assert self.max_model_len > 0
+
+    @property
+    def head_dim(self) -> int:
+        c = self.hf_config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        c = self.hf_config
+        return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    def kv_bytes_per_token(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    gpu_memory_utilization: float = 0.9
+    # CPU (or an explicit cap on GPU): bytes of KV cache to allocate.
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                "gpu_memory_utilization must be in (0, 1], got "
+                f"{self.gpu_memory_utilization}."
+            )
+        if self.prefix_caching_hash_algo not in ("sha256",):
+            raise ValueError(
+                f"Unknown prefix_caching_hash_algo {self.prefix_caching_hash_algo!r}; use 'sha256'."
+            )
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(
+                f"num_gpu_blocks_override must be at least 2, got {self.num_gpu_blocks_override}."
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
+    policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}."
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}) with chunked prefill disabled: long prompts "
+                "could never be scheduled. Raise max_num_batched_tokens or enable chunked prefill."
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"Unknown scheduling policy {self.policy!r}; use 'fcfs' or 'priority'.")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: str = "cpu"
+
+    @classmethod
+    def from_args(
+        cls,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        revision: str | None = None,
+        dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory_bytes: int | None = None,
+        num_gpu_blocks_override: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        max_num_queued_reqs: int | None = None,
+        max_num_queued_tokens: int | None = None,
+        scheduling_policy: str = "fcfs",
+        enable_chunked_prefill: bool = True,
+        load_format: str = "auto",
+        generation_config: str = "auto",
+        device: str = "auto",
+        seed: int = 0,
+    ) -> EngineConfig:
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        path = resolve_model_path(model, revision=revision)
+        hf_config = load_hf_config(path)
+        derived_max_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+        if max_model_len is None:
+            max_model_len = derived_max_len
+        elif max_model_len > derived_max_len:
+            raise ValueError(
+                f"User-specified max_model_len ({max_model_len}) is greater than the derived "
+                f"max_model_len (max_position_embeddings={derived_max_len} in the model's "
+                "config.json). Lower max_model_len."
+            )
+        elif max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {max_model_len}.")
+        if generation_config not in ("auto", "vllm"):
+            raise ValueError("generation_config must be 'auto' or 'vllm'.")
+        gen_cfg = load_generation_config(path) if generation_config == "auto" else {}
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(8192, max_num_seqs) if enable_chunked_prefill else max(
+                max_model_len, 8192
+            )
+        model_config = ModelConfig(
+            model=model,
+            path=path,
+            hf_config=hf_config,
+            dtype=_resolve_dtype(dtype, hf_config, device),
+            max_model_len=max_model_len,
+            load_format=load_format,
+            generation_config=gen_cfg,
+            tokenizer=tokenizer,
+            seed=seed,
+        )
+        cache_config = CacheConfig(
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            max_num_queued_reqs=max_num_queued_reqs,
+            max_num_queued_tokens=max_num_queued_tokens,
+            policy=scheduling_policy,
+            enable_chunked_prefill=enable_chunked_prefill,
+        )
+        return cls(model_config, cache_config, scheduler_config, device)

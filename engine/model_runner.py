@@ -1,0 +1,196 @@
+"""Model runner: owns the weights and the KV cache; turns a scheduled batch into tokens.
+
+Hand-offs: the scheduler fills `SchedulerOutput` (which requests, how many new tokens); this
+runner builds the forward batch (input ids, positions, slot mapping, `AttentionMetadata`),
+runs the model, and samples one token for every request whose KV now covers all its tokens.
+The attention backend is the seam where the Triton kernels plug in; `_forward` is the seam for
+CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.models import get_model_class
+from engine.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
+from engine.scheduler import SchedulerOutput
+from engine.weights import iter_safetensors_weights
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * GiB  # as vLLM's VLLM_CPU_KVCACHE_SPACE default
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.model.dtype
+        self.block_size = config.cache.block_size
+        self.init_model()
+        self.attn_backend: AttentionBackend = TorchPagedAttention()
+        self.sampler = Sampler()
+
+    # ---- startup -------------------------------------------------------------------------
+    def init_model(self) -> None:
+        mc = self.config.model
+        start = time.perf_counter()
+        torch.manual_seed(mc.seed)
+        with torch.device(self.device):
+            model = get_model_class(mc.hf_config)(mc.hf_config)
+        model = model.to(self.dtype)
+        if mc.load_format == "dummy":
+            model.init_dummy_weights(mc.seed)
+        else:
+            model.load_weights(iter_safetensors_weights(mc.path))
+        self.model = model.eval()
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        logger.info(
+            "Model weights took %.4f GiB (%s, %s) in %.1f s",
+            self.weights_bytes / GiB, mc.path, self.dtype, time.perf_counter() - start,
+        )
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks from the memory budget, sized as vLLM does; fails if one max-length
+        request cannot fit."""
+        mc, cc, sc = self.config.model, self.config.cache, self.config.scheduler
+        bytes_per_block = mc.kv_bytes_per_token() * self.block_size
+        blocks_per_seq = cdiv(mc.max_model_len, self.block_size)
+        if cc.num_gpu_blocks_override is not None:
+            num_blocks = cc.num_gpu_blocks_override
+            available = num_blocks * bytes_per_block
+        else:
+            if cc.kv_cache_memory_bytes is not None:
+                available = cc.kv_cache_memory_bytes
+            elif self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                used = total - free
+                available = int(total * cc.gpu_memory_utilization) - used
+            else:
+                available = DEFAULT_CPU_KV_CACHE_BYTES
+            num_blocks = available // bytes_per_block
+            if cc.kv_cache_memory_bytes is None:
+                # Never allocate more than every sequence slot at full length could use.
+                num_blocks = min(num_blocks, sc.max_num_seqs * blocks_per_seq + 1)
+        usable = num_blocks - 1  # block 0 is the null block
+        if usable < blocks_per_seq:
+            needed = blocks_per_seq * bytes_per_block
+            est_max_len = max(usable, 0) * self.block_size
+            raise ValueError(
+                f"To serve at least one request with the model's max seq len "
+                f"({mc.max_model_len}), ({needed / GiB:.2f} GiB KV cache is needed, which is "
+                f"larger than the available KV cache memory ({available / GiB:.2f} GiB). Based "
+                f"on the available memory, the estimated maximum model length is {est_max_len}. "
+                "Try increasing `gpu_memory_utilization` (or `kv_cache_memory_bytes` on CPU) "
+                "or decreasing `max_model_len` when initializing the engine."
+            )
+        num_tokens = usable * self.block_size
+        logger.info("KV cache size: %d tokens (%d blocks of %d)", num_tokens, usable, self.block_size)
+        logger.info(
+            "Maximum concurrency for %d tokens per request: %.2fx",
+            mc.max_model_len, num_tokens / mc.max_model_len,
+        )
+        return num_blocks
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        mc = self.config.model
+        shape = (num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    # ---- one step ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
+        input_ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
+        for s in sched.scheduled:
+            r = s.request
+            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+            block_ids = kv.get_block_ids(r.request_id)
+            assert len(block_ids) * self.block_size >= end, "runner got too few blocks"
+            input_ids.extend(r.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(
+                block_ids[p // self.block_size] * self.block_size + p % self.block_size
+                for p in range(start, end)
+            )
+            qsl.append(qsl[-1] + s.num_new_tokens)
+            seq_lens.append(end)
+            tables.append(block_ids[: cdiv(end, self.block_size)])
+        width = max(len(t) for t in tables)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(
+                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev
+            ),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            block_size=self.block_size,
+            max_query_len=max(s.num_new_tokens for s in sched.scheduled),
+            max_seq_len=max(seq_lens),
+        )
+        hidden = self._forward(
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta,
+        )
+        out = ModelRunnerOutput()
+        self._prompt_logprobs(sched, hidden, qsl, out)
+        self._sample(sched, hidden, qsl, out)
+        return out
+
+    def _forward(self, input_ids, positions, meta) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_cache, meta, self.attn_backend)
+
+    def _sample(self, sched, hidden, qsl, out: ModelRunnerOutput) -> None:
+        rows = [i for i, s in enumerate(sched.scheduled) if s.reaches_end]
+        if not rows:
+            return
+        reqs = [sched.scheduled[i].request for i in rows]
+        logits = self.model.compute_logits(hidden[[qsl[i + 1] - 1 for i in rows]])
+        batch = SamplingBatch(
+            params=[r.sampling_params for r in reqs],
+            generators=[r.generator for r in reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in reqs],
+            output_token_ids=[r.output_token_ids for r in reqs],
+            eos_token_ids=[
+                set() if r.sampling_params.ignore_eos else r.eos_token_ids for r in reqs
+            ],
+        )
+        result = self.sampler(logits, batch)
+        for r, token, lp in zip(reqs, result.token_ids, result.logprobs):
+            out.sampled[r.request_id] = token
+            if lp is not None:
+                out.logprobs[r.request_id] = lp
+
+    def _prompt_logprobs(self, sched, hidden, qsl, out: ModelRunnerOutput) -> None:
+        for i, s in enumerate(sched.scheduled):
+            r = s.request
+            k = r.sampling_params.prompt_logprobs
+            start = r.num_computed_tokens
+            if k is None or start >= r.num_prompt_tokens:
+                continue
+            # Position p predicts prompt token p + 1; the last prompt position predicts output.
+            end = min(start + s.num_new_tokens, r.num_prompt_tokens - 1)
+            if end <= start:
+                out.prompt_logprobs[r.request_id] = []
+                continue
+            logits = self.model.compute_logits(hidden[qsl[i] : qsl[i] + end - start])
+            next_ids = r.prompt_token_ids[start + 1 : end + 1]
+            out.prompt_logprobs[r.request_id] = compute_prompt_logprobs(logits, next_ids, k)

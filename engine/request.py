@@ -1,0 +1,99 @@
+"""The one request model: token ids and a count of how many of them have KV.
+
+Every step closes the gap between `num_computed_tokens` and `num_tokens`: a fresh prompt, a
+chunk of a long prompt, a prefix-cache hit (which jumps `num_computed_tokens` forward), a
+decode step (gap of one) and a preempted request being recomputed are all the same thing.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_hash import BlockHash, hash_block_tokens
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    cache_salt: str | None = None
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Tokens whose KV arrives from outside (decode role: written by a remote prefill).
+    num_external_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit length at first scheduling
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    # Per output token: {token_id: logprob}; per prompt token (first is None) likewise.
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    max_tokens: int = 16  # resolved: min(params.max_tokens, max_model_len - prompt_len)
+
+    def __post_init__(self) -> None:
+        assert self.prompt_token_ids, "empty prompts are rejected before a Request exists"
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def update_block_hashes(self, block_size: int) -> None:
+        """Extend the hash chain over any block that became full."""
+        if self.num_tokens // block_size > len(self.block_hashes):
+            self.block_hashes = hash_block_tokens(
+                self.all_token_ids, block_size, self.cache_salt, self.block_hashes
+            )

@@ -1,0 +1,200 @@
+"""Continuous-batching scheduler: one token budget per step, no prefill or decode phase.
+
+Each step, running requests go first (a decode needs one token, a half-prefilled prompt its
+next chunk), then waiting requests in policy order, each taking what is left of
+`max_num_batched_tokens` under `max_num_seqs`. When the block pool runs dry, the newest (or,
+with the priority policy, the least important) running request is preempted: its blocks are
+freed and it is recomputed later, from the prefix cache where its blocks survived.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+class SchedulerFullError(RuntimeError):
+    """Raised at admission when the queue limits are reached: refuse fast, never queue forever."""
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def reaches_end(self) -> bool:
+        """After this step the request has KV for all its tokens and samples a new one."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """FCFS is arrival order; priority orders by (priority, arrival). Preempted go first."""
+
+    def __init__(self, policy: str):
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._tiebreak = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._fifo) if self.policy == "fcfs" else len(self._heap)
+
+    def __iter__(self):
+        if self.policy == "fcfs":
+            return iter(self._fifo)
+        return (entry[-1] for entry in sorted(self._heap))
+
+    def add(self, request: Request, front: bool = False) -> None:
+        if self.policy == "fcfs":
+            (self._fifo.appendleft if front else self._fifo.append)(request)
+        else:
+            key = (request.priority, request.arrival_time, next(self._tiebreak), request)
+            heapq.heappush(self._heap, key)
+
+    def peek(self) -> Request:
+        return self._fifo[0] if self.policy == "fcfs" else self._heap[0][-1]
+
+    def pop(self) -> Request:
+        return self._fifo.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[-1]
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "fcfs":
+            self._fifo.remove(request)
+        else:
+            self._heap = [e for e in self._heap if e[-1] is not request]
+            heapq.heapify(self._heap)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- admission -----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        cfg = self.config
+        if cfg.max_num_queued_reqs is not None and len(self.waiting) >= cfg.max_num_queued_reqs:
+            raise SchedulerFullError(
+                f"Request {request.request_id} refused: {len(self.waiting)} requests are already "
+                f"queued (max_num_queued_reqs={cfg.max_num_queued_reqs}). Retry later."
+            )
+        if cfg.max_num_queued_tokens is not None:
+            queued = sum(r.num_tokens for r in self.waiting)
+            if queued + request.num_tokens > cfg.max_num_queued_tokens:
+                raise SchedulerFullError(
+                    f"Request {request.request_id} refused: {queued} tokens are queued and this "
+                    f"request adds {request.num_tokens} (max_num_queued_tokens="
+                    f"{cfg.max_num_queued_tokens}). Retry later."
+                )
+        if request.request_id in self.requests:
+            raise ValueError(f"Request id {request.request_id!r} is already in use.")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Finish (or abort) a request wherever it is; frees its blocks."""
+        assert status.is_finished
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif not request.is_finished:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self._choose_victim(exclude=scheduled_ids)
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            scheduled_ids.add(request.request_id)
+            budget -= num_new
+
+        # No new admissions in a step that had to preempt: the pool is under pressure.
+        while not out.preempted_ids and budget > 0 and len(self.waiting) > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting.peek()
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(request, num_new, hit_blocks):
+                break
+            self.waiting.pop()
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return out
+
+    def _choose_victim(self, exclude: set[str]) -> Request:
+        candidates = [r for r in self.running if r.request_id not in exclude] or self.running
+        if self.config.policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(request, front=True)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance computed counts and publish newly full blocks to the prefix cache."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_blocks(s.request)

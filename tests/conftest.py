@@ -1,0 +1,29 @@
+"""Session fixtures shared by every test package: tiny real checkpoints made on the fly."""
+
+from __future__ import annotations
+
+import os
+
+# Kernels run in Triton's interpreter on CPU; must be set before any kernel module imports.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from tests.fixtures.tiny_models import make_tiny_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_path(tmp_path_factory):
+    return make_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory):
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="session", params=["qwen3", "llama"])
+def tiny_model_path(request, tiny_qwen3_path, tiny_llama_path):
+    return {"qwen3": tiny_qwen3_path, "llama": tiny_llama_path}[request.param]
