@@ -30,7 +30,9 @@ _DTYPES = {
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
 
 
-def _resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig, device: str) -> torch.dtype:
+def _resolve_dtype(
+    dtype: str | torch.dtype, hf_config: PretrainedConfig, device: str
+) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
@@ -133,8 +135,7 @@ class CacheConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
-                "gpu_memory_utilization must be in (0, 1], got "
-                f"{self.gpu_memory_utilization}."
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
             )
         if self.prefix_caching_hash_algo not in ("sha256",):
             raise ValueError(
@@ -170,7 +171,9 @@ class SchedulerConfig:
                 "could never be scheduled. Raise max_num_batched_tokens or enable chunked prefill."
             )
         if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"Unknown scheduling policy {self.policy!r}; use 'fcfs' or 'priority'.")
+            raise ValueError(
+                f"Unknown scheduling policy {self.policy!r}; use 'fcfs' or 'priority'."
+            )
 
 
 @dataclass(frozen=True)
@@ -224,8 +227,8 @@ class EngineConfig:
             raise ValueError("generation_config must be 'auto' or 'vllm'.")
         gen_cfg = load_generation_config(path) if generation_config == "auto" else {}
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(8192, max_num_seqs) if enable_chunked_prefill else max(
-                max_model_len, 8192
+            max_num_batched_tokens = (
+                max(8192, max_num_seqs) if enable_chunked_prefill else max(max_model_len, 8192)
             )
         model_config = ModelConfig(
             model=model,

@@ -57,8 +57,6 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         max_len = self.config.model.max_model_len
         vocab = self.config.model.vocab_size
-        if not request.prompt_token_ids:
-            raise ValueError("The decoder prompt cannot be empty.")
         if request.num_prompt_tokens >= max_len:
             raise ValueError(
                 f"The decoder prompt (length {request.num_prompt_tokens}) is longer than the "

@@ -81,7 +81,10 @@ class LLM:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [
             apply_chat_template(
-                self.tokenizer, conv, add_generation_prompt, chat_template,
+                self.tokenizer,
+                conv,
+                add_generation_prompt,
+                chat_template,
                 **(chat_template_kwargs or {}),
             )
             for conv in conversations
@@ -107,14 +110,18 @@ class LLM:
         try:
             for i, (ids, params) in enumerate(zip(token_prompts, params_list)):
                 parent_id = str(next(self._counter))
-                children = [params] if params.n == 1 else [
-                    params.child_params(k) for k in range(params.n)
-                ]
+                children = (
+                    [params] if params.n == 1 else [params.child_params(k) for k in range(params.n)]
+                )
                 child_ids = []
                 for k, child in enumerate(children):
                     rid = parent_id if params.n == 1 else f"{k}_{parent_id}"
                     req = Request(
-                        rid, ids, child, self.eos_token_ids, cache_salt=cache_salt,
+                        rid,
+                        ids,
+                        child,
+                        self.eos_token_ids,
+                        cache_salt=cache_salt,
                         priority=priority[i] if priority else 0,
                     )
                     self.engine.add_request(req)

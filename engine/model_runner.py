@@ -62,7 +62,10 @@ class ModelRunner:
         self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         logger.info(
             "Model weights took %.4f GiB (%s, %s) in %.1f s",
-            self.weights_bytes / GiB, mc.path, self.dtype, time.perf_counter() - start,
+            self.weights_bytes / GiB,
+            mc.path,
+            self.dtype,
+            time.perf_counter() - start,
         )
 
     def determine_num_blocks(self) -> int:
@@ -100,10 +103,13 @@ class ModelRunner:
                 "or decreasing `max_model_len` when initializing the engine."
             )
         num_tokens = usable * self.block_size
-        logger.info("KV cache size: %d tokens (%d blocks of %d)", num_tokens, usable, self.block_size)
+        logger.info(
+            "KV cache size: %d tokens (%d blocks of %d)", num_tokens, usable, self.block_size
+        )
         logger.info(
             "Maximum concurrency for %d tokens per request: %.2fx",
-            mc.max_model_len, num_tokens / mc.max_model_len,
+            mc.max_model_len,
+            num_tokens / mc.max_model_len,
         )
         return num_blocks
 

@@ -60,7 +60,8 @@ class Request:
     max_tokens: int = 16  # resolved: min(params.max_tokens, max_model_len - prompt_len)
 
     def __post_init__(self) -> None:
-        assert self.prompt_token_ids, "empty prompts are rejected before a Request exists"
+        if not self.prompt_token_ids:
+            raise ValueError("The decoder prompt cannot be empty.")
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 

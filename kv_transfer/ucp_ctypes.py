@@ -30,6 +30,11 @@ _MEM_MAP_FIELD_LENGTH = 1 << 1
 # ucp_request_param_t.op_attr_mask bits
 _OP_ATTR_FIELD_FLAGS = 1 << 4
 _OP_ATTR_FIELD_MEMH = 1 << 8
+# ucp_ep_params_t.field_mask bits and error handling modes
+_EP_FIELD_REMOTE_ADDRESS = 1 << 0
+_EP_FIELD_ERR_HANDLING_MODE = 1 << 1
+_ERR_HANDLING_MODE_NONE = 0
+_ERR_HANDLING_MODE_PEER = 1
 # ucp_ep_close_nbx flags
 _EP_CLOSE_FLAG_FORCE = 1 << 0
 
@@ -63,11 +68,30 @@ class _RequestParam(ctypes.Structure):
     ]
 
 
+class _EpParams(ctypes.Structure):
+    _fields_ = [
+        ("field_mask", c_uint64),
+        ("address", c_char_p),
+        ("err_mode", c_int),
+        ("err_handler_cb", c_void_p),
+        ("err_handler_arg", c_void_p),
+        ("user_data", c_void_p),
+        ("flags", c_uint),
+        ("sockaddr", c_void_p),
+        ("sockaddr_len", c_uint32),
+        ("conn_request", c_void_p),
+        ("name", c_char_p),
+        ("local_sockaddr", c_void_p),
+        ("local_sockaddr_len", c_uint32),
+    ]
+
+
 class _TagRecvInfo(ctypes.Structure):
     _fields_ = [("sender_tag", c_uint64), ("length", c_size_t)]
 
 
 assert ctypes.sizeof(_MemMapParams) == 48 and ctypes.sizeof(_RequestParam) == 72
+assert ctypes.sizeof(_EpParams) == 104
 
 
 class UcxError(RuntimeError):
@@ -101,6 +125,7 @@ def _bind(lib: ctypes.CDLL, name: str, restype, *argtypes):  # noqa: ANN001, ANN
 
 _status_string = _bind(_ucs, "ucs_status_string", c_char_p, c_int8)
 _mem_map = _bind(_ucp, "ucp_mem_map", c_int8, c_void_p, POINTER(_MemMapParams), POINTER(c_void_p))
+_ep_create = _bind(_ucp, "ucp_ep_create", c_int8, c_void_p, POINTER(_EpParams), POINTER(c_void_p))
 _mem_unmap = _bind(_ucp, "ucp_mem_unmap", c_int8, c_void_p, c_void_p)
 _rkey_pack = _bind(
     _ucp, "ucp_rkey_pack", c_int8, c_void_p, c_void_p, POINTER(c_void_p), POINTER(c_size_t)
@@ -200,16 +225,28 @@ def put_or_get(
         _request_free(req)  # UCX keeps progressing it; ep flush reports its completion.
 
 
+def ep_create(worker: int, worker_address: bytes, peer_error_handling: bool) -> int:
+    """Endpoint to a remote worker. Error handling PEER makes peer failures complete requests
+    with an error instead of aborting the process, at the cost of one-sidedness (see ucx.py)."""
+    params = _EpParams(
+        field_mask=_EP_FIELD_REMOTE_ADDRESS | _EP_FIELD_ERR_HANDLING_MODE,
+        address=worker_address,
+        err_mode=_ERR_HANDLING_MODE_PEER if peer_error_handling else _ERR_HANDLING_MODE_NONE,
+    )
+    ep = c_void_p()
+    _check("ucp_ep_create", _ep_create(worker, byref(params), byref(ep)))
+    return ep.value
+
+
 def ep_flush(ep: int) -> int | None:
     return _as_request("ucp_ep_flush_nbx", _flush_nbx(ep, _NO_PARAM))
 
 
-def ep_close_force(ep: int) -> None:
-    """Close without flushing: outstanding operations are cancelled (used for dead peers)."""
-    param = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_FLAGS, flags=_EP_CLOSE_FLAG_FORCE)
-    req = _as_request("ucp_ep_close_nbx", _close_nbx(ep, param))
-    if req is not None:
-        _request_free(req)
+def ep_close(ep: int, force: bool) -> int | None:
+    """Start closing `ep`. `force` skips the flush and cancels outstanding operations: for dead
+    peers only (UCX: undefined behaviour for a live remote without error handling)."""
+    param = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_FLAGS, flags=_EP_CLOSE_FLAG_FORCE if force else 0)
+    return _as_request("ucp_ep_close_nbx", _close_nbx(ep, param))
 
 
 def tag_send(ep: int, payload: bytes, tag: int) -> int | None:

@@ -34,7 +34,9 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         self.config = config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, head_dim, self.qk_norm) for _ in range(config.num_hidden_layers)
@@ -125,7 +127,9 @@ class DecoderForCausalLM(nn.Module):
                 if "norm" in name:
                     param.fill_(1.0)
                 else:
-                    cpu = torch.empty(param.shape, dtype=torch.float32).uniform_(-0.02, 0.02, generator=gen)
+                    cpu = torch.empty(param.shape, dtype=torch.float32).uniform_(
+                        -0.02, 0.02, generator=gen
+                    )
                     param.copy_(cpu)
 
 

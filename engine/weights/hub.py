@@ -108,8 +108,12 @@ def _download_from_hub(model: str, revision: str | None) -> Path:
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
     offline = is_hub_offline()
-    logger.info("Resolving %s (revision=%s) from the Hugging Face hub%s", model, revision,
-                " cache (HF_HUB_OFFLINE=1)" if offline else "")
+    logger.info(
+        "Resolving %s (revision=%s) from the Hugging Face hub%s",
+        model,
+        revision,
+        " cache (HF_HUB_OFFLINE=1)" if offline else "",
+    )
     try:
         folder = snapshot_download(
             model,

@@ -11,6 +11,7 @@ slightly from the real repo, but greedy answers to simple prompts match.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -110,7 +111,7 @@ def _remove_leftovers(out_dir: Path) -> None:
 
 def build_smollm2(gguf_path: Path, out_dir: Path) -> None:
     """Write a hub-layout SmolLM2 folder (bf16) into the existing, empty `out_dir`."""
-    from transformers import AutoConfig, GenerationConfig, LlamaForCausalLM
+    from transformers import AutoConfig, LlamaForCausalLM
 
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     assert config.model_type == "llama", config.model_type
@@ -132,27 +133,31 @@ def build_smollm2(gguf_path: Path, out_dir: Path) -> None:
     del tensors
 
     _save_config(config, out_dir)
-    generation_config = GenerationConfig.from_model_config(config)
-    generation_config.save_pretrained(out_dir)
+    _save_generation_config(config, out_dir)
     _save_tokenizer(gguf_path, out_dir, config.max_position_embeddings)
     (out_dir / BUILD_MARKER_FILE).write_text(
         json.dumps({"build_version": BUILD_VERSION, "source": gguf_path.name}, indent=2) + "\n"
     )
+    _make_readable(out_dir)
 
 
 def _dequantize(gguf_path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """GGUF tensors dequantized, under HF names (transformers also undoes llama.cpp's q/k
     permutation). Its per-tensor progress bar is silenced: this is a library call."""
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    from transformers.utils import logging as hf_logging
+    from unittest import mock
 
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    # It calls `tqdm.auto.tqdm` directly (transformers' disable_progress_bar does not reach it).
+    silence = (
+        mock.patch.object(gguf_utils, "tqdm", lambda items, **_: items)
+        if hasattr(gguf_utils, "tqdm")
+        else contextlib.nullcontext()
+    )
+    with silence:
+        parsed = gguf_utils.load_gguf_checkpoint(
+            str(gguf_path), return_tensors=True, model_to_load=model
+        )
     return parsed["tensors"]
 
 
@@ -180,6 +185,31 @@ def _save_config(config, out_dir: Path) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+def _save_generation_config(config, out_dir: Path) -> None:
+    """generation_config.json as the hub repo has it: token ids only, no sampling defaults
+    (so requests that omit temperature etc. get the engine's defaults, not invented ones)."""
+    import transformers
+
+    data = {
+        "_from_model_config": True,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
+        "transformers_version": transformers.__version__,
+    }
+    (out_dir / "generation_config.json").write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _make_readable(out_dir: Path) -> None:
+    """mkdtemp makes a 0700 folder and safetensors writes 0600 files; a cache shared between
+    users and services wants the usual umask-based modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out_dir, 0o777 & ~umask)
+    for path in out_dir.iterdir():
+        os.chmod(path, 0o666 & ~umask)
+
+
 def _save_tokenizer(gguf_path: Path, out_dir: Path, max_len: int) -> None:
     """Tokenizer with the chat template inside tokenizer_config.json (the hub repo's layout)."""
     from tokenizers import pre_tokenizers
@@ -204,4 +234,8 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path, max_len: int) -> None:
     data = json.loads(path.read_text())
     for key in _TOKENIZER_CONFIG_NOISE:
         data.pop(key, None)
+    # transformers 5 writes "TokenizersBackend", which 4.x cannot load, and "GPT2Tokenizer" (the
+    # hub's) would rebuild the pre-tokenizer and lose the digit split: this class loads
+    # tokenizer.json verbatim in both.
+    data["tokenizer_class"] = "PreTrainedTokenizerFast"
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
