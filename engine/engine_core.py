@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
+from engine.sampler import skip_sampler_step
 from engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,12 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+
+
+@dataclass
+class RemotePrefillAllocation:
+    block_ids: list[int]  # the request's blocks, prompt block 0 first
+    num_hit_tokens: int  # leading prompt tokens already cached here (not to be written)
 
 
 @dataclass
@@ -55,6 +62,11 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        self._validate(request)
+        self.scheduler.add_request(request)
+
+    def _validate(self, request: Request) -> None:
+        """Checks shared by every role; resolves `request.max_tokens`."""
         max_len = self.config.model.max_model_len
         vocab = self.config.model.vocab_size
         if request.num_prompt_tokens >= max_len:
@@ -69,7 +81,6 @@ class EngineCore:
         params = request.sampling_params
         limit = max_len - request.num_prompt_tokens
         request.max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
-        self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> bool:
         request = self.scheduler.requests.get(request_id)
@@ -126,6 +137,63 @@ class EngineCore:
         if r.num_tokens >= self.config.model.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    # ---- disaggregation: decode role -----------------------------------------------------
+    def allocate_for_remote_prefill(self, request: Request) -> RemotePrefillAllocation | None:
+        """Reserve blocks for the whole prompt (reusing this instance's prefix hits) so that a
+        prefill elsewhere can write into them. None: no room now (refuse fast). The request is
+        not scheduled until `add_remote_prefilled`."""
+        self._validate(request)
+        self.scheduler.check_admission(request)
+        hits, num_hit = self.kv.get_computed_blocks(request)
+        if not self.kv.allocate_slots(request, request.num_tokens - num_hit, hits):
+            return None
+        return RemotePrefillAllocation(self.kv.get_block_ids(request.request_id), num_hit)
+
+    def add_remote_prefilled(
+        self,
+        request: Request,
+        first_token: int,
+        logprobs: dict[int, float] | None,
+        num_cached_tokens: int,
+    ) -> EngineCoreOutput:
+        """The prompt's KV is now in the request's blocks: publish them to the prefix cache,
+        take the first token sampled remotely, and schedule the rest of the decode."""
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_cached_tokens = num_cached_tokens
+        self.kv.cache_blocks(request)
+        if request.generator is not None and not request.sampling_params.is_greedy:
+            # The remote sampler drew the first token's noise from the same seed: skip it.
+            skip_sampler_step(request.generator, self.config.model.vocab_size)
+        request.append_output_token(first_token)
+        out = EngineCoreOutput(
+            request.request_id, [first_token], num_cached_tokens=num_cached_tokens
+        )
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+            out.new_logprobs.append(logprobs)
+        status = self._check_stop(request, first_token)
+        if status is not None:
+            request.status = status
+            self.kv.free(request)
+            out.finish_reason, out.stop_reason = status.value, request.stop_reason
+        else:
+            self.scheduler.add_request(request, check_limits=False)
+        return out
+
+    def quarantine_blocks(self, request: Request) -> str:
+        """A remote writer may still write this request's blocks: keep them out of use until
+        `release_quarantine(key)` (writer acknowledged, declared dead, or lease expired)."""
+        return self.kv.quarantine(request.request_id)
+
+    def release_quarantine(self, key: str) -> None:
+        self.kv.release_quarantine(key)
+
+    # ---- disaggregation: prefill role ----------------------------------------------------
+    def release_blocks(self, request: Request) -> None:
+        """Prefill role: the KV of a finished `hold_blocks` request has been shipped."""
+        assert request.hold_blocks and request.is_finished
+        self.kv.free(request)
 
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -7,6 +7,7 @@ the model runner reads block ids through `get_block_ids`.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool, KVCacheBlock
@@ -37,6 +38,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
+        self.quarantined: dict[str, list[KVCacheBlock]] = {}
+        self._quarantine_ids = itertools.count()
 
     @property
     def num_free_blocks(self) -> int:
@@ -115,6 +118,16 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
+
+    def quarantine(self, request_id: str) -> str:
+        """Move a request's blocks aside, still referenced, under a new key."""
+        key = f"quarantine-{request_id}-{next(self._quarantine_ids)}"
+        self.quarantined[key] = self.req_to_blocks.pop(request_id, [])
+        self.num_cached_blocks.pop(request_id, None)
+        return key
+
+    def release_quarantine(self, key: str) -> None:
+        self.pool.free_blocks(reversed(self.quarantined.pop(key)))
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

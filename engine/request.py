@@ -58,6 +58,9 @@ class Request:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     max_tokens: int = 16  # resolved: min(params.max_tokens, max_model_len - prompt_len)
+    # Prefill role: keep the blocks after finishing, until the KV has been shipped
+    # (`EngineCore.release_blocks`); a finished request's blocks may still be read by a WRITE.
+    hold_blocks: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

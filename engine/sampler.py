@@ -206,6 +206,15 @@ def exponential_race(
     return (probs / noise).argmax(dim=-1)
 
 
+def skip_sampler_step(generator: torch.Generator, vocab_size: int) -> None:
+    """Consume exactly what one random sampling step draws from a row's generator.
+
+    Used when a step was sampled elsewhere (the first token of a disaggregated request comes
+    from the prefill instance): the decode side continues the same random stream.
+    """
+    torch.empty(vocab_size, dtype=torch.float32).exponential_(generator=generator)
+
+
 def compute_prompt_logprobs(
     logits: torch.Tensor, next_token_ids: list[int], k: int
 ) -> list[dict[int, float]]:

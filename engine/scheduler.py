@@ -97,7 +97,15 @@ class Scheduler:
         self.num_preemptions = 0
 
     # ---- admission -----------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, check_limits: bool = True) -> None:
+        if check_limits:
+            self.check_admission(request)
+        if request.request_id in self.requests:
+            raise ValueError(f"Request id {request.request_id!r} is already in use.")
+        self.requests[request.request_id] = request
+        self.waiting.add(request, front=request.num_computed_tokens > 0)
+
+    def check_admission(self, request: Request) -> None:
         cfg = self.config
         if cfg.max_num_queued_reqs is not None and len(self.waiting) >= cfg.max_num_queued_reqs:
             raise SchedulerFullError(
@@ -112,10 +120,6 @@ class Scheduler:
                     f"request adds {request.num_tokens} (max_num_queued_tokens="
                     f"{cfg.max_num_queued_tokens}). Retry later."
                 )
-        if request.request_id in self.requests:
-            raise ValueError(f"Request id {request.request_id!r} is already in use.")
-        self.requests[request.request_id] = request
-        self.waiting.add(request)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Finish (or abort) a request wherever it is; frees its blocks."""
@@ -125,7 +129,8 @@ class Scheduler:
         elif not request.is_finished:
             self.waiting.remove(request)
         request.status = status
-        self.kv.free(request)
+        if not request.hold_blocks:
+            self.kv.free(request)
         self.requests.pop(request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -161,7 +166,11 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
-            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            if request.num_computed_tokens > 0:
+                # Decode role: the prompt's KV was written from outside into blocks it holds.
+                hit_blocks, num_hit = [], request.num_computed_tokens
+            else:
+                hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
