@@ -1,0 +1,336 @@
+"""The decode service (`tandem decode`).
+
+Lifecycle of one `Generate` stream:
+1. Validate (INVALID_ARGUMENT) and admit or refuse fast (RESOURCE_EXHAUSTED: queue limits or
+   no free blocks — the gateway then tries another D).
+2. Remote prefill (the request names prefill candidates): reserve blocks for the prompt,
+   reusing D's own prefix hits, and call `P.Prefill` with the descriptors of the blocks that
+   still need KV. P writes them one-sided and replies with the first token once the KV landed;
+   its notification carries the per-transfer token. On P failure before WRITTEN the blocks are
+   quarantined (see `receiver.py`) and the prompt goes to the next candidate, then local.
+3. Local prefill (no candidates, or all failed): the engine prefills the prompt itself.
+4. Decode in the continuous batch, streaming `TokenChunk`s, then a `Final` with usage. A
+   client that goes away aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+
+import grpc
+
+from decode_svc.receiver import KVReceiver, TransferState
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.engine_core import EngineCore
+from engine.kv_cache_manager import cdiv
+from engine.request import Request, RequestStatus
+from engine.scheduler import SchedulerFullError
+from engine.serving import (
+    add_engine_args,
+    check_prompt,
+    engine_config_from_args,
+    load_response,
+    logprobs_from_proto,
+    logprobs_to_proto,
+    sampling_params_from_proto,
+    sampling_params_to_proto,
+    serve_health,
+)
+from engine.tokenizer import get_eos_token_ids, load_tokenizer
+from kv_transfer import Agent
+from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = "tandem.v1.Decode"
+# Replies that prove P is alive and has settled its writes: blocks can be released at once.
+_ACKNOWLEDGED = {
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.INTERNAL,
+}
+MAX_PREFILL_ATTEMPTS = 2
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        agent: Agent,
+        instance_id: str,
+        eos_ids: set[int],
+        args: argparse.Namespace,
+    ):
+        self.engine = engine
+        self.core: EngineCore = engine.core
+        self.agent = agent
+        self.agent_metadata = agent.get_agent_metadata()
+        self.instance_id = instance_id
+        self.eos_ids = frozenset(eos_ids)
+        self.prefill_timeout_s = args.prefill_timeout_s
+        self.lease_s = args.kv_lease_s
+        self.receiver = KVReceiver(agent)
+        engine.hooks.append(self.receiver.poll)
+        self._channels: dict[str, prefill_pb2_grpc.PrefillStub] = {}
+        self.counters = {
+            "num_requests_total": 0,
+            "num_local_prefills": 0,
+            "num_remote_prefills": 0,
+            "kv_transfer_bytes": 0,
+        }
+
+    # ---- Generate ------------------------------------------------------------------------
+    async def Generate(self, request, context):
+        try:
+            req = self._parse(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.counters["num_requests_total"] += 1
+        timings = common_pb2.Timings()
+        start = time.monotonic()
+        stream = None
+        num_out = 0
+        try:
+            if request.prefill:
+                stream = await self._remote_prefill(req, request, timings)
+            if stream is None:
+                timings.local_prefill = True
+                self.counters["num_local_prefills"] += 1
+                stream = self.engine.generate(req)
+            async for out in stream:
+                if num_out == 0:
+                    timings.prefill_s = time.monotonic() - start
+                num_out += len(out.new_token_ids)
+                yield decode_pb2.GenerateResponse(
+                    tokens=decode_pb2.TokenChunk(
+                        token_ids=out.new_token_ids,
+                        logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs],
+                    )
+                )
+                if out.finish_reason is not None:
+                    yield self._final(req, out, num_out, timings)
+                    return
+        except SchedulerFullError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineDeadError as e:
+            if num_out == 0:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            yield decode_pb2.GenerateResponse(
+                error=common_pb2.Error(code=common_pb2.Error.DECODE_FAILED, message=str(e))
+            )
+
+    def _final(self, req: Request, out, num_out: int, timings) -> decode_pb2.GenerateResponse:
+        final = decode_pb2.Final(
+            finish_reason=out.finish_reason,
+            usage=common_pb2.Usage(
+                prompt_tokens=req.num_prompt_tokens,
+                completion_tokens=num_out,
+                cached_tokens=max(req.num_cached_tokens, 0),
+            ),
+            timings=timings,
+        )
+        if isinstance(out.stop_reason, int):
+            final.stop_token_id = out.stop_reason
+        return decode_pb2.GenerateResponse(final=final)
+
+    def _parse(self, request) -> Request:
+        mc = self.core.config.model
+        if not request.request_id:
+            raise ValueError("request_id is required")
+        ids = check_prompt(request.prompt_token_ids, mc.max_model_len, mc.vocab_size)
+        if not request.HasField("params"):
+            raise ValueError("params are required")
+        params = sampling_params_from_proto(request.params)
+        for p in request.prefill:
+            if not p.address:
+                raise ValueError("prefill target without an address")
+        return Request(
+            request.request_id,
+            ids,
+            params,
+            self.eos_ids,
+            cache_salt=request.cache_salt or None,
+            priority=request.priority,
+        )
+
+    # ---- remote prefill ------------------------------------------------------------------
+    async def _remote_prefill(self, req: Request, request, timings):
+        """An output stream once P has written the KV; None to prefill locally instead."""
+        bs = self.core.config.cache.block_size
+        loop = asyncio.get_running_loop()
+        for attempt, target in enumerate(request.prefill[:MAX_PREFILL_ATTEMPTS]):
+            alloc = await self.engine.call(self.core.allocate_for_remote_prefill, req)
+            if alloc is None:
+                raise SchedulerFullError("no free KV blocks for the prompt; retry elsewhere")
+            transfer_id = request.transfer_id or uuid.uuid4().hex
+            if attempt:
+                transfer_id += f"-retry{attempt}"
+            token = secrets.token_hex(16)
+            first_block = alloc.num_hit_tokens // bs
+            arrived = loop.create_future()
+            await self.engine.call(self.receiver.expect, transfer_id, token, loop, arrived)
+            msg = prefill_pb2.PrefillRequest(
+                request_id=req.request_id,
+                transfer_id=transfer_id,
+                prompt_token_ids=req.prompt_token_ids,
+                params=sampling_params_to_proto(req.sampling_params),
+                cache_salt=req.cache_salt or "",
+                target=common_pb2.KVTarget(
+                    agent_name=self.agent.name,
+                    agent_metadata=self.agent_metadata,
+                    block_ids=alloc.block_ids[first_block : cdiv(req.num_prompt_tokens, bs)],
+                    first_block=first_block,
+                    transfer_token=token,
+                ),
+            )
+            t0 = time.monotonic()
+            try:
+                resp = await self._stub(target.address).Prefill(msg, timeout=self.prefill_timeout_s)
+                await asyncio.wait_for(arrived, timeout=5.0)
+            except asyncio.CancelledError:
+                self._fail_transfer(req, transfer_id, acknowledged=False)
+                asyncio.ensure_future(self._abort_prefill(target.address, req.request_id))
+                raise
+            except (grpc.aio.AioRpcError, TimeoutError) as e:
+                ack = isinstance(e, grpc.aio.AioRpcError) and e.code() in _ACKNOWLEDGED
+                logger.warning(
+                    "Prefill %s on %s failed (%s); %s",
+                    transfer_id,
+                    target.address,
+                    _describe(e),
+                    "retrying" if attempt + 1 < len(request.prefill) else "prefilling locally",
+                )
+                self._fail_transfer(req, transfer_id, acknowledged=ack)
+                continue
+            self.receiver.set_state(transfer_id, TransferState.WRITTEN)
+            self.counters["num_remote_prefills"] += 1
+            self.counters["kv_transfer_bytes"] += resp.kv_transfer_bytes
+            timings.kv_transfer_s = resp.kv_transfer_s
+            timings.kv_transfer_bytes = resp.kv_transfer_bytes
+            timings.prefill_instance = target.instance_id or target.address
+            lp = (
+                logprobs_from_proto(resp.first_logprobs)
+                if resp.HasField("first_logprobs")
+                else None
+            )
+            logger.debug("Remote prefill %s took %.3f s", transfer_id, time.monotonic() - t0)
+
+            def add(r: Request, resp=resp, lp=lp, tid=transfer_id):
+                self.receiver.set_state(tid, TransferState.FINISHED)
+                return self.core.add_remote_prefilled(
+                    r, resp.first_token_id, lp, resp.num_cached_tokens
+                )
+
+            return self.engine.generate(req, add=add)
+        return None
+
+    def _fail_transfer(self, req: Request, transfer_id: str, acknowledged: bool) -> None:
+        """Quarantine the request's blocks; release now if P acknowledged, else at lease end."""
+
+        def quarantine() -> None:
+            self.receiver.forget(transfer_id)
+            self.receiver.set_state(transfer_id, TransferState.FAILED)
+            key = self.core.quarantine_blocks(req)
+            req.num_computed_tokens, req.status = 0, RequestStatus.WAITING
+            if acknowledged:
+                self.core.release_quarantine(key)
+            else:  # call_later is not thread-safe: schedule it from the loop's own thread
+                loop.call_soon_threadsafe(
+                    loop.call_later,
+                    self.lease_s,
+                    self.engine.submit,
+                    lambda: self.core.release_quarantine(key),
+                )
+
+        loop = asyncio.get_running_loop()
+        self.engine.submit(quarantine)
+
+    async def _abort_prefill(self, address: str, request_id: str) -> None:
+        try:
+            await self._stub(address).Abort(
+                common_pb2.AbortRequest(request_id=request_id), timeout=2.0
+            )
+        except grpc.aio.AioRpcError as e:
+            logger.info("Abort on prefill %s failed: %s", address, _describe(e))
+
+    def _stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
+        if address not in self._channels:
+            self._channels[address] = prefill_pb2_grpc.PrefillStub(
+                grpc.aio.insecure_channel(address)
+            )
+        return self._channels[address]
+
+    # ---- other RPCs ----------------------------------------------------------------------
+    async def Abort(self, request, context):
+        found = await self.engine.call(self.core.abort_request, request.request_id)
+        return common_pb2.AbortResponse(found=found)
+
+    async def GetLoad(self, request, context):
+        return load_response(self.core, self.instance_id, self.agent.backend_name, **self.counters)
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, grpc.aio.AioRpcError):
+        return f"{e.code().name}: {e.details()}"
+    return f"{type(e).__name__}: no KV notification"
+
+
+async def serve(args: argparse.Namespace) -> None:
+    config = engine_config_from_args(args)
+    core = EngineCore(config)
+    engine = AsyncEngine(core)
+    instance_id = args.instance_id or f"decode-{uuid.uuid4().hex[:8]}"
+    agent = await engine.call(_make_agent, instance_id, args.kv_backend, core)
+    tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
+    eos = get_eos_token_ids(tokenizer, config.model.generation_config)
+    server = grpc.aio.server()
+    servicer = DecodeServicer(engine, agent, instance_id, eos, args)
+    decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
+    health_task = await serve_health(server, SERVICE_NAME, engine)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    await server.start()
+    logger.info(
+        "Decode %s serving on %s:%d (kv backend %s)", instance_id, args.host, port, args.kv_backend
+    )
+    print(f"READY decode {args.host}:{port}", flush=True)
+    try:
+        await server.wait_for_termination()
+    finally:
+        health_task.cancel()
+        engine.shutdown()
+
+
+def _make_agent(name: str, backend: str, core: EngineCore) -> Agent:
+    agent = Agent(name, backend)
+    agent.register_memory([core.runner.kv_cache])
+    return agent
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser("tandem decode", description="Run a decode service.")
+    add_engine_args(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--instance-id", default=None)
+    parser.add_argument("--kv-backend", default="ucx", choices=["ucx", "inproc"])
+    parser.add_argument("--prefill-timeout-s", type=float, default=60.0)
+    parser.add_argument(
+        "--kv-lease-s",
+        type=float,
+        default=30.0,
+        help="how long blocks of a failed remote prefill stay quarantined",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    asyncio.run(serve(args))

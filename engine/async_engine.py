@@ -1,0 +1,176 @@
+"""The engine loop on its own thread, driven from asyncio (the gRPC services).
+
+One thread owns the `EngineCore` and everything that is not thread-safe beside it (the KV
+transfer agent): other threads never touch them, they submit callables with `call()`, which
+run between steps. Outputs flow back to per-request asyncio queues.
+
+Readiness: `last_step_time` advances every loop iteration; a loop stuck in a step for longer
+than the health check's threshold makes the service not ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from engine.engine_core import EngineCore, EngineCoreOutput
+from engine.request import Request
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# A hook runs on the engine thread after every iteration; it returns True while it has work in
+# flight (e.g. transfers to poll), which keeps the loop spinning instead of sleeping.
+Hook = Callable[[], bool]
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, idle_wait_s: float = 0.05, busy_wait_s: float = 0.0005):
+        self.core = core
+        self.idle_wait_s = idle_wait_s
+        self.busy_wait_s = busy_wait_s
+        self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.hooks: list[Hook] = []
+        self.last_step_time = time.monotonic()
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- API for asyncio callers -----------------------------------------------------------
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on the engine thread; its result or exception comes back here."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller, not swallowed
+                loop.call_soon_threadsafe(_set_exception, fut, e)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, result)
+
+        self._cmds.put(run)
+        return await fut
+
+    async def generate(
+        self, request: Request, add: Callable[[Request], Any] | None = None
+    ) -> AsyncIterator[EngineCoreOutput]:
+        """Add `request` (with `add`, default `core.add_request`) and stream its outputs until
+        it finishes. `add` may return a first output to yield (a remotely sampled token).
+        Leaving the iterator early (client gone) aborts the request."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = (asyncio.get_running_loop(), q)
+        finished = False
+        try:
+            first = await self.call(add or self.core.add_request, request)
+            if isinstance(first, EngineCoreOutput):
+                yield first
+                if first.finish_reason is not None:
+                    finished = True
+                    return
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished and self.error is None:
+                # Fire and forget: this may run inside a cancelled task.
+                self._cmds.put(lambda: self.core.abort_request(request.request_id))
+
+    def submit(self, fn: Callable[[], Any]) -> None:
+        """Run `fn()` on the engine thread, fire and forget (safe from cancelled tasks)."""
+        self._cmds.put(fn)
+
+    def attach_stream(self, request_id: str) -> asyncio.Queue:
+        """Route outputs of a request added by other means (see `call`) to a new queue."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        return q
+
+    def detach_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._cmds.put(lambda: None)
+        self._thread.join(timeout=10)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def _check_alive(self) -> None:
+        if not self.is_alive:
+            raise EngineDeadError(f"The engine loop is not running: {self.error!r}")
+
+    # ---- the loop --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                busy = False
+                if self.core.has_unfinished_requests():
+                    self._dispatch(self.core.step())
+                    busy = True
+                for hook in self.hooks:
+                    busy |= bool(hook())
+                self.last_step_time = time.monotonic()
+                if not busy and not self.core.has_unfinished_requests():
+                    self._wait_for_command(self.idle_wait_s)
+                elif not self.core.has_unfinished_requests():
+                    self._wait_for_command(self.busy_wait_s)
+        except BaseException as e:  # noqa: BLE001 - recorded, reported to every waiter, logged
+            logger.exception("Engine loop died")
+            self.error = e
+            for loop, q in list(self._streams.values()):
+                loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine loop died: {e!r}"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            cmd()
+
+    def _wait_for_command(self, timeout_s: float) -> None:
+        try:
+            cmd = self._cmds.get(timeout=timeout_s)
+        except queue.Empty:
+            return
+        cmd()
+
+    def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                loop, q = stream
+                loop.call_soon_threadsafe(q.put_nowait, out)
+
+
+def _set_result(fut: asyncio.Future, result: Any) -> None:
+    if not fut.cancelled():
+        fut.set_result(result)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.cancelled():
+        fut.set_exception(exc)

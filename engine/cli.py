@@ -1,0 +1,66 @@
+"""`tandem` command line: one subcommand per role, plus `serve` for all of them on one machine.
+
+tandem serve [MODEL] [--num-prefill N] [--num-decode M] [engine flags]
+tandem prefill [MODEL] [--port P] [engine flags]
+tandem decode  [MODEL] [--port P] [engine flags]
+tandem gateway --model MODEL --decode host:port,... [--prefill host:port,...]
+tandem generate [MODEL] --prompt TEXT      (offline, no services)
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def _generate(argv: list[str]) -> int:
+    import argparse
+
+    from engine import LLM, SamplingParams
+
+    parser = argparse.ArgumentParser("tandem generate")
+    parser.add_argument("model", nargs="?", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    args = parser.parse_args(argv)
+    llm = LLM(args.model, max_model_len=args.max_model_len)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "serve":
+        from engine.launcher import serve_main
+
+        return serve_main(rest)
+    if cmd == "prefill":
+        from prefill_svc.server import main as prefill_main
+
+        prefill_main(rest)
+        return 0
+    if cmd == "decode":
+        from decode_svc.server import main as decode_main
+
+        decode_main(rest)
+        return 0
+    if cmd == "gateway":
+        from gateway.serving import main as gateway_main
+
+        gateway_main(rest)
+        return 0
+    if cmd == "generate":
+        return _generate(rest)
+    print(f"unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

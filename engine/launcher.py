@@ -1,0 +1,161 @@
+"""`tandem serve`: gateway + N prefill + M decode services as separate processes on loopback.
+
+Each service is started with port 0 and prints `READY <role> host:port` once it serves; the
+launcher reads that line, so no port is ever guessed. Children get SIGTERM if the launcher
+dies (PR_SET_PDEATHSIG), and the launcher stops them all on Ctrl-C / SIGTERM: no orphans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM when the launcher goes away."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    role: str
+    proc: subprocess.Popen
+    address: str | None = None
+
+
+class Cluster:
+    """Start, watch and stop the processes of one `tandem serve`."""
+
+    def __init__(self, log_prefix: bool = True):
+        self.children: list[Child] = []
+        self.log_prefix = log_prefix
+
+    def start(self, role: str, argv: list[str], timeout_s: float = 600.0) -> Child:
+        cmd = [sys.executable, "-m", "engine.cli", role, *argv]
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            preexec_fn=_die_with_parent,
+        )
+        child = Child(role, proc)
+        self.children.append(child)
+        ready = threading.Event()
+
+        def pump() -> None:  # forward the child's log, catch its READY line
+            for line in proc.stdout:
+                if line.startswith("READY "):
+                    child.address = line.split()[2]
+                    ready.set()
+                if self.log_prefix:
+                    sys.stderr.write(f"[{role} {proc.pid}] {line}")
+            ready.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while not ready.wait(0.2):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{role} did not become ready within {timeout_s} s")
+        if child.address is None:
+            raise RuntimeError(
+                f"{role} exited with code {proc.wait()} before becoming ready; see its log above"
+            )
+        return child
+
+    def check(self) -> Child | None:
+        """The first child that exited, if any."""
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for c in reversed(self.children):  # gateway first, then services
+            if c.proc.poll() is None:
+                c.proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for c in self.children:
+            try:
+                c.proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser("tandem serve", description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--num-prefill", type=int, default=1)
+    parser.add_argument("--num-decode", type=int, default=1)
+    parser.add_argument("--kv-backend", default="ucx", choices=["ucx", "inproc"])
+    parser.add_argument("--served-model-name", default=None)
+    args, engine_args = parser.parse_known_args(argv)
+    if args.num_decode < 1 or args.num_prefill < 0:
+        parser.error("need --num-decode >= 1 and --num-prefill >= 0")
+    cluster = Cluster()
+    stopping = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        svc = [args.model, *engine_args, "--kv-backend", args.kv_backend]
+        prefills = [cluster.start("prefill", svc) for _ in range(args.num_prefill)]
+        decodes = [cluster.start("decode", svc) for _ in range(args.num_decode)]
+        gw_args = [
+            "--model",
+            args.model,
+            "--host",
+            args.host,
+            "--port",
+            str(args.port),
+            "--decode",
+            ",".join(c.address for c in decodes),
+            *(["--prefill", ",".join(c.address for c in prefills)] if prefills else []),
+            *(["--served-model-name", args.served_model_name] if args.served_model_name else []),
+            *_passthrough(engine_args, ("--max-model-len",)),
+        ]
+        cluster.start("gateway", gw_args)
+        print(
+            f"Tandem is serving {args.model} at http://{args.host}:{args.port}/v1 "
+            f"({args.num_prefill} prefill, {args.num_decode} decode)",
+            flush=True,
+        )
+        while not stopping.wait(0.5):
+            dead = cluster.check()
+            if dead is not None:
+                print(
+                    f"{dead.role} (pid {dead.proc.pid}) exited with code "
+                    f"{dead.proc.returncode}; stopping",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 1
+        return 0
+    finally:
+        cluster.stop()
+
+
+def _passthrough(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    out = []
+    for i, a in enumerate(argv):
+        for f in flags:
+            if a == f and i + 1 < len(argv):
+                out += [f, argv[i + 1]]
+            elif a.startswith(f + "="):
+                out.append(a)
+    return out

@@ -1,0 +1,174 @@
+"""What the prefill and decode services share: engine arguments, proto conversion, health.
+
+Health is two things (gRPC health protocol): liveness is the empty service name (the process
+answers); readiness is the service's own name and also requires the engine loop to be alive
+and to have iterated within `READY_STALL_S`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.sampling_params import SamplingParams
+from protos import common_pb2
+
+logger = logging.getLogger(__name__)
+
+READY_STALL_S = 30.0
+MAX_PROMPT_TOKENS_HARD_CAP = 1 << 20  # reject absurd token lists before touching them
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's engine flags, with the same names and meanings."""
+    parser.add_argument("model", nargs="?", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-num-queued-reqs", type=int, default=None)
+    parser.add_argument("--max-num-queued-tokens", type=int, default=None)
+    parser.add_argument(
+        "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false"
+    )
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig.from_args(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_queued_reqs=args.max_num_queued_reqs,
+        max_num_queued_tokens=args.max_num_queued_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        load_format=args.load_format,
+        seed=args.seed,
+    )
+
+
+# ---- protos <-> engine ---------------------------------------------------------------------
+def sampling_params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises ValueError (vLLM's messages) for invalid values."""
+    return SamplingParams(
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        seed=p.seed if p.HasField("seed") else None,
+        max_tokens=p.max_tokens,
+        min_tokens=p.min_tokens,
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+    )
+
+
+def sampling_params_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=max(sp.top_k, 0),
+        min_p=sp.min_p,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty,
+        seed=sp.seed,
+        max_tokens=sp.max_tokens or 0,
+        min_tokens=sp.min_tokens,
+        stop_token_ids=list(sp.stop_token_ids or []),
+        ignore_eos=sp.ignore_eos,
+        logprobs=sp.logprobs,
+    )
+
+
+def logprobs_to_proto(lp: dict[int, float]) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(token_ids=list(lp), logprobs=list(lp.values()))
+
+
+def logprobs_from_proto(p: common_pb2.TokenLogprobs) -> dict[int, float]:
+    return dict(zip(p.token_ids, p.logprobs))
+
+
+def check_prompt(token_ids, max_model_len: int, vocab_size: int) -> list[int]:
+    """Validate a token list from the wire; raises ValueError with the limit."""
+    if len(token_ids) > MAX_PROMPT_TOKENS_HARD_CAP:
+        raise ValueError(f"prompt of {len(token_ids)} tokens exceeds the hard cap")
+    ids = list(token_ids)
+    if not ids:
+        raise ValueError("The decoder prompt cannot be empty.")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"The decoder prompt (length {len(ids)}) is longer than the maximum model length "
+            f"of {max_model_len}."
+        )
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"Token id {bad} is out of vocabulary (vocab_size={vocab_size}).")
+    return ids
+
+
+def load_response(core: EngineCore, instance_id: str, kv_backend: str, **extra):
+    stats = core.stats()
+    return common_pb2.LoadResponse(
+        instance_id=instance_id,
+        num_waiting=stats.num_waiting,
+        num_running=stats.num_running,
+        num_free_blocks=stats.num_free_blocks,
+        kv_cache_usage=stats.kv_cache_usage,
+        prefix_cache_queries=stats.prefix_cache_queries,
+        prefix_cache_hits=stats.prefix_cache_hits,
+        num_preemptions=stats.num_preemptions,
+        kv_backend=kv_backend,
+        block_size=core.config.cache.block_size,
+        max_model_len=core.config.model.max_model_len,
+        num_idle_free_blocks=core.kv.pool.num_usable_blocks,
+        **extra,
+    )
+
+
+# ---- health --------------------------------------------------------------------------------
+async def serve_health(
+    server: grpc.aio.Server, service_name: str, engine: AsyncEngine
+) -> asyncio.Task:
+    """Register gRPC health; a task keeps readiness in step with the engine loop."""
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    serving, not_serving = (
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+    )
+    await servicer.set("", serving)
+
+    async def watch() -> None:
+        import time
+
+        while True:
+            ok = engine.is_alive and time.monotonic() - engine.last_step_time < READY_STALL_S
+            await servicer.set(service_name, serving if ok else not_serving)
+            await asyncio.sleep(0.5)
+
+    return asyncio.create_task(watch())

@@ -1,0 +1,224 @@
+"""The prefill service (`tandem prefill`).
+
+Lifecycle of one `Prefill` call:
+1. Validate (INVALID_ARGUMENT on bad input; the service keeps serving).
+2. Connect to the decode agent named in the target (cached by metadata), then add the prompt
+   to the engine as a `hold_blocks` request with max_tokens=1: it is chunked and batched with
+   other prompts, and hits this instance's own prefix cache.
+3. After every engine step the `KVSender` writes newly computed blocks into D's blocks.
+4. The first token is sampled; once the last block is written and flushed and the
+   notification sent, reply with the token. P's blocks stay in its prefix cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+
+import grpc
+
+from engine.async_engine import AsyncEngine
+from engine.engine_core import EngineCore
+from engine.kv_cache_manager import cdiv
+from engine.request import Request
+from engine.scheduler import SchedulerFullError
+from engine.serving import (
+    add_engine_args,
+    check_prompt,
+    engine_config_from_args,
+    load_response,
+    logprobs_to_proto,
+    sampling_params_from_proto,
+    serve_health,
+)
+from engine.tokenizer import get_eos_token_ids, load_tokenizer
+from kv_transfer import Agent
+from prefill_svc.sender import KVSend, KVSender, SendState
+from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = "tandem.v1.Prefill"
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        agent: Agent,
+        instance_id: str,
+        eos_ids: set[int],
+        lease_s: float,
+        transfer_timeout_s: float,
+    ):
+        self.engine = engine
+        self.core: EngineCore = engine.core
+        self.agent = agent
+        self.instance_id = instance_id
+        self.eos_ids = frozenset(eos_ids)
+        self.lease_s = lease_s
+        self.sender = KVSender(self.core, agent, transfer_timeout_s)
+        engine.hooks.append(self.sender.poll)
+        self._remotes: dict[str, bytes] = {}  # agent name -> metadata it was added with
+        self.num_requests = 0
+
+    async def Prefill(self, request, context):
+        try:
+            req, send = self._parse(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.num_requests += 1
+        loop = asyncio.get_running_loop()
+        send.done, send.loop = loop.create_future(), loop
+
+        def add(r: Request) -> None:
+            self._connect(request.target.agent_name, request.target.agent_metadata)
+            self.core.add_request(r)
+            self.sender.start(send)
+
+        first = None
+        try:
+            async for out in self.engine.generate(req, add=add):
+                first = out
+        except SchedulerFullError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except ValueError as e:  # validation inside the engine
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            if first is None or first.finish_reason == "abort":
+                self.engine.submit(lambda: self.sender.fail(req.request_id, "cancelled"))
+        state, error = await send.done
+        if state is not SendState.WRITTEN:
+            await context.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {error}")
+        return prefill_pb2.PrefillResponse(
+            first_token_id=first.new_token_ids[0],
+            first_logprobs=logprobs_to_proto(first.new_logprobs[0]) if first.new_logprobs else None,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            kv_transfer_bytes=send.num_bytes,
+            kv_transfer_s=time.monotonic() - send.start_time,
+            num_descriptors=send.num_descs,
+        )
+
+    def _parse(self, request) -> tuple[Request, KVSend]:
+        mc = self.core.config.model
+        if not request.request_id or not request.transfer_id:
+            raise ValueError("request_id and transfer_id are required")
+        ids = check_prompt(request.prompt_token_ids, mc.max_model_len, mc.vocab_size)
+        if not request.HasField("params"):
+            raise ValueError("params are required")
+        params = sampling_params_from_proto(request.params)
+        # P samples only the first token; min_tokens matters only as "mask EOS now or not".
+        params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        t = request.target
+        if not t.agent_name or not t.agent_metadata:
+            raise ValueError("target.agent_name and target.agent_metadata are required")
+        num_blocks = cdiv(len(ids), self.core.config.cache.block_size)
+        if not 0 <= t.first_block < num_blocks:
+            raise ValueError(f"target.first_block {t.first_block} out of range [0, {num_blocks})")
+        if len(t.block_ids) != num_blocks - t.first_block:
+            raise ValueError(
+                f"target has {len(t.block_ids)} block ids; the prompt needs "
+                f"{num_blocks - t.first_block} after first_block={t.first_block}"
+            )
+        if any(b <= 0 for b in t.block_ids):
+            raise ValueError("target.block_ids must be positive (block 0 is the null block)")
+        req = Request(
+            f"{request.request_id}/{request.transfer_id}",
+            ids,
+            params,
+            self.eos_ids,
+            cache_salt=request.cache_salt or None,
+            hold_blocks=True,
+        )
+        send = KVSend(
+            request=req,
+            transfer_id=request.transfer_id,
+            token=t.transfer_token,
+            remote=t.agent_name,
+            dst_block_ids=list(t.block_ids),
+            first_block=t.first_block,
+            deadline=time.monotonic() + self.lease_s,
+            done=None,
+            loop=None,
+        )
+        return req, send
+
+    def _connect(self, name: str, metadata: bytes) -> None:
+        """Engine thread. Descriptors are range-checked against the peer's metadata there."""
+        if self._remotes.get(name) != metadata:
+            self.agent.add_remote_agent(metadata)
+            self._remotes[name] = metadata
+
+    async def Abort(self, request, context):
+        found = False
+        for rid in [r for r in self.core.scheduler.requests if r.startswith(request.request_id)]:
+            found |= await self.engine.call(self.core.abort_request, rid)
+        return common_pb2.AbortResponse(found=found)
+
+    async def GetLoad(self, request, context):
+        return load_response(
+            self.core,
+            self.instance_id,
+            self.agent.backend_name,
+            kv_transfer_bytes=self.sender.total_bytes,
+            num_requests_total=self.num_requests,
+        )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    config = engine_config_from_args(args)
+    core = EngineCore(config)
+    engine = AsyncEngine(core)
+    instance_id = args.instance_id or f"prefill-{uuid.uuid4().hex[:8]}"
+    agent = await engine.call(_make_agent, instance_id, args.kv_backend, core)
+    tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
+    eos = get_eos_token_ids(tokenizer, config.model.generation_config)
+    server = grpc.aio.server()
+    servicer = PrefillServicer(
+        engine, agent, instance_id, eos, args.kv_lease_s, args.transfer_timeout_s
+    )
+    prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
+    health_task = await serve_health(server, SERVICE_NAME, engine)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    await server.start()
+    logger.info(
+        "Prefill %s serving on %s:%d (kv backend %s)", instance_id, args.host, port, args.kv_backend
+    )
+    print(f"READY prefill {args.host}:{port}", flush=True)
+    try:
+        await server.wait_for_termination()
+    finally:
+        health_task.cancel()
+        engine.shutdown()
+
+
+def _make_agent(name: str, backend: str, core: EngineCore) -> Agent:
+    agent = Agent(name, backend)
+    agent.register_memory([core.runner.kv_cache])
+    return agent
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser("tandem prefill", description="Run a prefill service.")
+    add_engine_args(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--instance-id", default=None)
+    parser.add_argument("--kv-backend", default="ucx", choices=["ucx", "inproc"])
+    parser.add_argument(
+        "--kv-lease-s",
+        type=float,
+        default=30.0,
+        help="no KV write is issued after this long since the request arrived",
+    )
+    parser.add_argument("--transfer-timeout-s", type=float, default=30.0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    asyncio.run(serve(args))
