@@ -8,9 +8,11 @@ Contract (every backend, checked by `tests/kv_transfer/test_conformance.py`):
 - `blob()` returns the backend's part of the agent metadata (opaque to `Agent`): whatever a
   peer needs to reach this agent's regions. It reflects the regions registered so far.
 - `connect(meta)` makes a peer reachable; connecting a known name again replaces it (a peer
-  restarted with new metadata). `disconnect(name, is_dead)` forgets it; `is_dead=True` means do
-  not talk to it again (no flush, cancel what is outstanding). Neither raises for a peer that
-  already died.
+  restarted with new metadata). `disconnect(name)` forgets it; its in-flight requests end in
+  ERR. `mark_dead(name, reason)` keeps the name but declares the peer dead: in-flight requests
+  end in ERR at once, nothing more is sent to it (no flush, queued operations cancelled), and
+  later posts to it return requests already in ERR, until `connect` replaces it. None of these
+  raise for a peer that already died.
 - `post(op, remote, local_descs, remote_descs, notif)` starts one transfer of already
   validated descriptors and returns an `XferRequest`. Failures of the peer or the transport
   are reported through the request (`ERR` with a message), never raised from `poll`; `post`
@@ -23,7 +25,8 @@ Contract (every backend, checked by `tests/kv_transfer/test_conformance.py`):
   arrival order. Receiving needs no prior `connect` to the sender.
 - `progress()` advances the transport; it is the only place work happens besides `post`, and
   `poll`/`take_notifs` call it. It never blocks for longer than a bounded slice of work.
-- `fail_peer(name, reason)` ends every in-flight request to `name` with ERR.
+- A backend may detect a dead peer by itself (UCX: the peer's process is gone); it then
+  behaves as if `mark_dead` had been called.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from kv_transfer.descriptors import Desc
 from kv_transfer.metadata import AgentMetadata
 
 
-class XferState(str, enum.Enum):
+class XferState(enum.StrEnum):
     """Handle states, as NIXL names them."""
 
     PROC = "PROC"  # in flight
@@ -45,7 +48,7 @@ class XferState(str, enum.Enum):
     ERR = "ERR"  # failed; `error` says why. The destination contents are undefined.
 
 
-class XferOp(str, enum.Enum):
+class XferOp(enum.StrEnum):
     WRITE = "WRITE"  # local -> remote
     READ = "READ"  # remote -> local
 
@@ -78,7 +81,10 @@ class TransferBackend(ABC):
     def connect(self, meta: AgentMetadata) -> None: ...
 
     @abstractmethod
-    def disconnect(self, name: str, is_dead: bool) -> None: ...
+    def disconnect(self, name: str) -> None: ...
+
+    @abstractmethod
+    def mark_dead(self, name: str, reason: str) -> None: ...
 
     @abstractmethod
     def post(
@@ -95,9 +101,6 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def take_notifs(self) -> list[tuple[str, bytes]]: ...
-
-    @abstractmethod
-    def fail_peer(self, name: str, reason: str) -> None: ...
 
     @abstractmethod
     def close(self) -> None:

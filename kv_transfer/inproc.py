@@ -40,6 +40,7 @@ class InprocBackend(TransferBackend):
         self._token = uuid.uuid4().bytes
         self._regions: list[torch.Tensor] = []  # flat uint8 views of the registered tensors
         self._peers: dict[str, bytes] = {}  # name -> token seen in its metadata
+        self._dead: dict[str, str] = {}  # name -> why it was marked dead
         self._notifs: list[tuple[str, bytes]] = []
         _LIVE[name] = self
 
@@ -56,9 +57,15 @@ class InprocBackend(TransferBackend):
         if (meta.host_id, meta.pid) != (host, pid):
             raise ValueError(f"inproc agent {meta.name!r} lives in another process")
         self._peers[meta.name] = meta.backend_blob
+        self._dead.pop(meta.name, None)
 
-    def disconnect(self, name: str, is_dead: bool) -> None:
+    def disconnect(self, name: str) -> None:
         del self._peers[name]
+        self._dead.pop(name, None)
+
+    def mark_dead(self, name: str, reason: str) -> None:
+        assert name in self._peers
+        self._dead.setdefault(name, reason)
 
     def _live_peer(self, name: str) -> InprocBackend | None:
         peer = _LIVE.get(name)
@@ -74,6 +81,8 @@ class InprocBackend(TransferBackend):
         remote_descs: list[Desc],
         notif: bytes | None,
     ) -> XferRequest:
+        if remote in self._dead:
+            return _DoneRequest(remote, self._dead[remote])
         peer = self._live_peer(remote)
         if peer is None:
             return _DoneRequest(remote, f"peer {remote!r} is gone (agent closed)")
@@ -94,9 +103,6 @@ class InprocBackend(TransferBackend):
     def take_notifs(self) -> list[tuple[str, bytes]]:
         notifs, self._notifs = self._notifs, []
         return notifs
-
-    def fail_peer(self, name: str, reason: str) -> None:
-        pass  # requests complete inside post: none is ever in flight
 
     def close(self) -> None:
         if _LIVE.get(self.name) is self:

@@ -1,10 +1,10 @@
 """Thin ctypes bindings to the UCP calls that ucxx's Python API does not expose.
 
-ucxx (the Python package) covers context, worker and endpoint creation, but has no memory
-registration and no RMA. We reach the same `libucp.so` that ucxx already loaded (so the
-`.handle` pointers of ucxx objects are valid here) and call the C API directly. Only the calls
-Tandem needs are bound; struct layouts are copied from `ucp/api/ucp.h` of UCX 1.21 (x86_64 /
-aarch64 LP64) and checked by size below.
+ucxx (the Python package) creates the context and worker, but has no memory registration and no
+RMA, and its endpoints hide the close mode we need for dead peers. We reach the same
+`libucp.so` that ucxx already loaded (so the `.handle` pointers of ucxx objects are valid here)
+and call the C API directly. Only the calls Tandem needs are bound; struct layouts are copied
+from `ucp/api/ucp.h` of UCX 1.21 (LP64) and checked by size below.
 
 Requests: we never pass a completion callback (no Python called from UCX threads). A call
 returns NULL (done at once), an error pointer, or a request that we poll with
@@ -15,10 +15,18 @@ from __future__ import annotations
 
 import ctypes
 import os
-from ctypes import POINTER, byref, c_char_p, c_int, c_int8, c_size_t, c_uint, c_uint32, c_uint64, c_void_p
-
-# Set before UCX reads its config: ucxx exports UCX_MEMTYPE_CACHE, which UCX 1.21 warns about.
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+from ctypes import (
+    POINTER,
+    byref,
+    c_char_p,
+    c_int,
+    c_int8,
+    c_size_t,
+    c_uint,
+    c_uint32,
+    c_uint64,
+    c_void_p,
+)
 
 UCS_OK = 0
 UCS_INPROGRESS = 1
@@ -123,35 +131,29 @@ def _bind(lib: ctypes.CDLL, name: str, restype, *argtypes):  # noqa: ANN001, ANN
     return fn
 
 
-_status_string = _bind(_ucs, "ucs_status_string", c_char_p, c_int8)
-_mem_map = _bind(_ucp, "ucp_mem_map", c_int8, c_void_p, POINTER(_MemMapParams), POINTER(c_void_p))
-_ep_create = _bind(_ucp, "ucp_ep_create", c_int8, c_void_p, POINTER(_EpParams), POINTER(c_void_p))
-_mem_unmap = _bind(_ucp, "ucp_mem_unmap", c_int8, c_void_p, c_void_p)
-_rkey_pack = _bind(
-    _ucp, "ucp_rkey_pack", c_int8, c_void_p, c_void_p, POINTER(c_void_p), POINTER(c_size_t)
-)
+# ucs_status_t is a packed enum: one signed byte (c_int would read garbage upper bits).
+_Status = c_int8
+_ReqP = POINTER(_RequestParam)
+# fmt: off
+_status_string = _bind(_ucs, "ucs_status_string", c_char_p, _Status)
+_mem_map = _bind(_ucp, "ucp_mem_map", _Status, c_void_p, POINTER(_MemMapParams), POINTER(c_void_p))
+_mem_unmap = _bind(_ucp, "ucp_mem_unmap", _Status, c_void_p, c_void_p)
+_rkey_pack = _bind(_ucp, "ucp_rkey_pack", _Status, c_void_p, c_void_p, POINTER(c_void_p), POINTER(c_size_t))  # noqa: E501
 _rkey_buffer_release = _bind(_ucp, "ucp_rkey_buffer_release", None, c_void_p)
-_rkey_unpack = _bind(_ucp, "ucp_ep_rkey_unpack", c_int8, c_void_p, c_char_p, POINTER(c_void_p))
+_rkey_unpack = _bind(_ucp, "ucp_ep_rkey_unpack", _Status, c_void_p, c_char_p, POINTER(c_void_p))
 _rkey_destroy = _bind(_ucp, "ucp_rkey_destroy", None, c_void_p)
-_rma_args = (c_void_p, c_void_p, c_size_t, c_uint64, c_void_p, POINTER(_RequestParam))
-_put_nbx = _bind(_ucp, "ucp_put_nbx", c_void_p, *_rma_args)
-_get_nbx = _bind(_ucp, "ucp_get_nbx", c_void_p, *_rma_args)
-_flush_nbx = _bind(_ucp, "ucp_ep_flush_nbx", c_void_p, c_void_p, POINTER(_RequestParam))
-_close_nbx = _bind(_ucp, "ucp_ep_close_nbx", c_void_p, c_void_p, POINTER(_RequestParam))
-_tag_send_nbx = _bind(
-    _ucp, "ucp_tag_send_nbx", c_void_p, c_void_p, c_char_p, c_size_t, c_uint64,
-    POINTER(_RequestParam),
-)
-_tag_probe_nb = _bind(
-    _ucp, "ucp_tag_probe_nb", c_void_p, c_void_p, c_uint64, c_uint64, c_int, POINTER(_TagRecvInfo)
-)
-_tag_msg_recv_nbx = _bind(
-    _ucp, "ucp_tag_msg_recv_nbx", c_void_p, c_void_p, c_void_p, c_size_t, c_void_p,
-    POINTER(_RequestParam),
-)
-_check_status = _bind(_ucp, "ucp_request_check_status", c_int8, c_void_p)
+_ep_create = _bind(_ucp, "ucp_ep_create", _Status, c_void_p, POINTER(_EpParams), POINTER(c_void_p))
+_put_nbx = _bind(_ucp, "ucp_put_nbx", c_void_p, c_void_p, c_void_p, c_size_t, c_uint64, c_void_p, _ReqP)  # noqa: E501
+_get_nbx = _bind(_ucp, "ucp_get_nbx", c_void_p, c_void_p, c_void_p, c_size_t, c_uint64, c_void_p, _ReqP)  # noqa: E501
+_flush_nbx = _bind(_ucp, "ucp_ep_flush_nbx", c_void_p, c_void_p, _ReqP)
+_close_nbx = _bind(_ucp, "ucp_ep_close_nbx", c_void_p, c_void_p, _ReqP)
+_tag_send_nbx = _bind(_ucp, "ucp_tag_send_nbx", c_void_p, c_void_p, c_char_p, c_size_t, c_uint64, _ReqP)  # noqa: E501
+_tag_probe_nb = _bind(_ucp, "ucp_tag_probe_nb", c_void_p, c_void_p, c_uint64, c_uint64, c_int, POINTER(_TagRecvInfo))  # noqa: E501
+_tag_msg_recv_nbx = _bind(_ucp, "ucp_tag_msg_recv_nbx", c_void_p, c_void_p, c_void_p, c_size_t, c_void_p, _ReqP)  # noqa: E501
+_check_status = _bind(_ucp, "ucp_request_check_status", _Status, c_void_p)
 _request_free = _bind(_ucp, "ucp_request_free", None, c_void_p)
 _worker_progress = _bind(_ucp, "ucp_worker_progress", c_uint, c_void_p)
+# fmt: on
 
 _NO_PARAM = _RequestParam()
 
@@ -214,13 +216,20 @@ def _memh_param(memh: int | None) -> _RequestParam:
 
 
 def put_or_get(
-    is_put: bool, ep: int, local_addr: int, length: int, remote_addr: int, rkey: int,
+    is_put: bool,
+    ep: int,
+    local_addr: int,
+    length: int,
+    remote_addr: int,
+    rkey: int,
     local_memh: int | None,
 ) -> None:
     """Post one PUT/GET and let go of its request: completion is observed through a flush."""
     fn = _put_nbx if is_put else _get_nbx
-    req = _as_request("ucp_put_nbx" if is_put else "ucp_get_nbx",
-                      fn(ep, local_addr, length, remote_addr, rkey, _memh_param(local_memh)))
+    req = _as_request(
+        "ucp_put_nbx" if is_put else "ucp_get_nbx",
+        fn(ep, local_addr, length, remote_addr, rkey, _memh_param(local_memh)),
+    )
     if req is not None:
         _request_free(req)  # UCX keeps progressing it; ep flush reports its completion.
 
@@ -245,7 +254,9 @@ def ep_flush(ep: int) -> int | None:
 def ep_close(ep: int, force: bool) -> int | None:
     """Start closing `ep`. `force` skips the flush and cancels outstanding operations: for dead
     peers only (UCX: undefined behaviour for a live remote without error handling)."""
-    param = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_FLAGS, flags=_EP_CLOSE_FLAG_FORCE if force else 0)
+    param = _RequestParam(
+        op_attr_mask=_OP_ATTR_FIELD_FLAGS, flags=_EP_CLOSE_FLAG_FORCE if force else 0
+    )
     return _as_request("ucp_ep_close_nbx", _close_nbx(ep, param))
 
 

@@ -82,7 +82,8 @@ class UcxBackend(TransferBackend):
         self.peer_error_handling = peer_error_handling
         # MM_ERROR_HANDLING lets shared-memory transports serve error-handling endpoints (else
         # those fall back to TCP at ~0.4 GB/s); it does not change endpoints without it.
-        config = {"MM_ERROR_HANDLING": "y", "KEEPALIVE_INTERVAL": "1s"}
+        # WARN_UNUSED_ENV_VARS: ucxx exports UCX_MEMTYPE_CACHE, which UCX 1.21 warns about.
+        config = {"MM_ERROR_HANDLING": "y", "KEEPALIVE_INTERVAL": "1s", "WARN_UNUSED_ENV_VARS": "n"}
         features = (libucxx.Feature.TAG, libucxx.Feature.RMA)
         self._ctx = libucxx.UCXContext(config_dict=config, feature_flags=features)
         self._worker = libucxx.UCXWorker(self._ctx)
@@ -93,6 +94,7 @@ class UcxBackend(TransferBackend):
         self._packed_rkeys: list[bytes] = []
         self._peers: dict[str, _Peer] = {}
         self._orphans: list[tuple[int, object]] = []  # (ucx request, what it keeps alive)
+        self._parked_eps: list[int] = []  # endpoints to dead peers, never touched again
         self._inbox = NotifInbox(self._worker_h)
 
     def register(self, tensors: list[torch.Tensor]) -> None:
@@ -108,8 +110,10 @@ class UcxBackend(TransferBackend):
     def connect(self, meta: AgentMetadata) -> None:
         address, packed = _unpack_blob(meta.backend_blob)
         if len(packed) != len(meta.region_addrs):
-            raise ValueError(f"metadata of {meta.name!r}: {len(packed)} rkeys for "
-                             f"{len(meta.region_addrs)} regions")
+            raise ValueError(
+                f"metadata of {meta.name!r}: {len(packed)} rkeys for "
+                f"{len(meta.region_addrs)} regions"
+            )
         if meta.name in self._peers:
             self.disconnect(meta.name)
         ep = ucp.ep_create(self._worker_h, address, self.peer_error_handling)
@@ -140,7 +144,14 @@ class UcxBackend(TransferBackend):
         for rkey in peer.rkeys:
             ucp.rkey_destroy(rkey)
         ep, peer.ep, peer.rkeys = peer.ep, None, []
-        req = ucp.ep_close(ep, force)
+        if force and not self.peer_error_handling:
+            # UCX refuses to force-close an endpoint without error handling, and a flushing
+            # close would touch the dead peer. Park it: it is never used again.
+            self._parked_eps.append(ep)
+            return
+        self._wait_or_orphan(ucp.ep_close(ep, force))
+
+    def _wait_or_orphan(self, req: int | None) -> None:
         deadline = time.monotonic() + _CLOSE_TIMEOUT_S
         while req is not None and ucp.request_status(req) == ucp.UCS_INPROGRESS:
             if time.monotonic() > deadline:
@@ -172,9 +183,12 @@ class UcxBackend(TransferBackend):
         try:
             for ld, rd in zip(local_descs, remote_descs, strict=True):
                 ucp.put_or_get(
-                    is_put, peer.ep,
-                    self._region_addrs[ld.region] + ld.offset_bytes, ld.length_bytes,
-                    peer.meta.region_addrs[rd.region] + rd.offset_bytes, peer.rkeys[rd.region],
+                    is_put,
+                    peer.ep,
+                    self._region_addrs[ld.region] + ld.offset_bytes,
+                    ld.length_bytes,
+                    peer.meta.region_addrs[rd.region] + rd.offset_bytes,
+                    peer.rkeys[rd.region],
                     self._memhs[ld.region],
                 )
             flush_req = ucp.ep_flush(peer.ep)
@@ -222,6 +236,9 @@ class UcxBackend(TransferBackend):
             self.progress()
             if not self._orphans:
                 break
+        for ep in self._parked_eps:
+            self._wait_or_orphan(ucp.ep_close(ep, False))
+        self._parked_eps.clear()
         for memh in self._memhs:
             ucp.mem_unmap(self._ctx_h, memh)
         self._memhs.clear()

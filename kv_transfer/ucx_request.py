@@ -68,8 +68,9 @@ class UcxRequest(XferRequest):
                 self._req = None
                 if status != ucp.UCS_OK:
                     stage = "notification" if self._is_flushed else "flush"
-                    self._finish_err(f"{stage} to {self.remote!r} failed: "
-                                     f"{ucp.status_string(status)}")
+                    self._finish_err(
+                        f"{stage} to {self.remote!r} failed: {ucp.status_string(status)}"
+                    )
                     break
             if not self._is_flushed:
                 self._is_flushed = True
@@ -126,8 +127,9 @@ class NotifInbox:
 
     def _deliver(self, msg: bytes) -> None:
         if len(msg) < _HEADER.size or msg[:4] != _MAGIC:
-            logger.error("dropping a %d-byte message with the notification tag: bad header",
-                         len(msg))
+            logger.error(
+                "dropping a %d-byte message with the notification tag: bad header", len(msg)
+            )
             return
         _, name_len = _HEADER.unpack_from(msg)
         name = msg[_HEADER.size : _HEADER.size + name_len].decode()
@@ -140,5 +142,4 @@ class NotifInbox:
     def close(self) -> None:
         for _, req in self._receiving:
             if req is not None:
-                ucp.request_free(req)
-        self._receiving.clear()
+                ucp.request_free(req)  # buffers stay referenced here until the worker is gone
