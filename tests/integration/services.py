@@ -1,0 +1,89 @@
+"""Helpers to run real prefill/decode processes and talk to them over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from engine.launcher import Cluster
+from engine.sampling_params import SamplingParams
+from engine.serving import sampling_params_to_proto
+from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+ENGINE_FLAGS = ["--max-model-len", "256", "--num-gpu-blocks-override", "64"]
+
+
+def start_services(
+    model_path, num_prefill: int, num_decode: int, extra_prefill=(), extra_decode=()
+) -> tuple[Cluster, list, list]:
+    cluster = Cluster(log_prefix=False)
+    try:
+        prefills = [
+            cluster.start("prefill", [str(model_path), *ENGINE_FLAGS, *extra_prefill])
+            for _ in range(num_prefill)
+        ]
+        decodes = [
+            cluster.start("decode", [str(model_path), *ENGINE_FLAGS, *extra_decode])
+            for _ in range(num_decode)
+        ]
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster, prefills, decodes
+
+
+def generate_request(
+    rid: str, prompt: list[int], params: SamplingParams, prefill_addrs=(), cache_salt: str = ""
+) -> decode_pb2.GenerateRequest:
+    return decode_pb2.GenerateRequest(
+        request_id=rid,
+        transfer_id=f"t-{rid}",
+        prompt_token_ids=prompt,
+        params=sampling_params_to_proto(params),
+        cache_salt=cache_salt,
+        prefill=[decode_pb2.PrefillTarget(address=a) for a in prefill_addrs],
+    )
+
+
+async def collect(stub, req) -> tuple[list[int], object, object]:
+    """(tokens, final, error event) of one Generate stream."""
+    tokens, final, error = [], None, None
+    async for resp in stub.Generate(req):
+        kind = resp.WhichOneof("kind")
+        if kind == "tokens":
+            tokens += list(resp.tokens.token_ids)
+        elif kind == "final":
+            final = resp.final
+        else:
+            error = resp.error
+    return tokens, final, error
+
+
+def decode_stub(addr: str):
+    return decode_pb2_grpc.DecodeStub(grpc.aio.insecure_channel(addr))
+
+
+def prefill_stub(addr: str):
+    return prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(addr))
+
+
+async def get_load(stub):
+    return await stub.GetLoad(common_pb2.LoadRequest(), timeout=5)
+
+
+async def wait_idle(stub, timeout_s: float = 20.0):
+    """Poll until the instance runs nothing and every block is free again (no leaks)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = await get_load(stub)
+        if (
+            load.num_running == 0
+            and load.num_waiting == 0
+            and load.num_free_blocks == load.num_idle_free_blocks
+        ):
+            return load
+        if time.monotonic() > deadline:
+            raise AssertionError(f"instance not idle after {timeout_s} s: {load}")
+        await asyncio.sleep(0.1)

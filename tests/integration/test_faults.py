@@ -1,0 +1,143 @@
+"""Faults between real processes: each ends in a clean result or a clean error, and every
+block pool returns to its idle count (no leaked blocks)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.integration.services import (
+    collect,
+    decode_stub,
+    generate_request,
+    get_load,
+    prefill_stub,
+    start_services,
+    wait_idle,
+)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PROMPT = list(range(40, 90))
+
+
+@pytest.fixture
+def cluster(tiny_qwen3_path):
+    cluster, prefills, decodes = start_services(
+        tiny_qwen3_path,
+        2,
+        1,
+        extra_prefill=["--kv-lease-s", "1.5"],
+        extra_decode=["--kv-lease-s", "1.5", "--prefill-timeout-s", "2"],
+    )
+    yield cluster, prefills, decodes[0]
+    for c in cluster.children:  # resume anything a test stopped, so it can exit
+        if c.proc.poll() is None:
+            os.kill(c.proc.pid, signal.SIGCONT)
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_qwen3_path):
+    llm = LLM(str(tiny_qwen3_path), max_model_len=256, num_gpu_blocks_override=64)
+    return llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+
+
+def test_kill_prefill_during_prefill_retries_on_another(cluster, expected):
+    _, (p1, p2), d = cluster
+
+    async def run():
+        stub = decode_stub(d.address)
+        os.kill(p1.proc.pid, signal.SIGSTOP)  # P1 takes the request and never answers ...
+        task = asyncio.ensure_future(
+            collect(stub, generate_request("k", PROMPT, GREEDY, [p1.address, p2.address]))
+        )
+        await asyncio.sleep(0.5)
+        os.kill(p1.proc.pid, signal.SIGKILL)  # ... and dies mid-prefill
+        tokens, final, error = await task
+        assert error is None and tokens == expected
+        assert not final.timings.local_prefill and final.timings.prefill_instance == p2.address
+        await wait_idle(stub)  # D's quarantined blocks come back at the end of the lease
+        await wait_idle(prefill_stub(p2.address))
+
+    asyncio.run(run())
+
+
+def test_hung_prefill_past_lease_falls_back_to_local(cluster, expected):
+    _, (p1, _), d = cluster
+
+    async def run():
+        stub, pstub = decode_stub(d.address), prefill_stub(p1.address)
+        idle = (await get_load(stub)).num_idle_free_blocks
+        os.kill(p1.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        task = asyncio.ensure_future(
+            collect(stub, generate_request("h", PROMPT, GREEDY, [p1.address]))
+        )
+        tokens, final, error = await task
+        assert tokens == expected and final.timings.local_prefill
+        assert time.monotonic() - t0 >= 2.0  # waited for the prefill timeout
+        # The blocks P was given are quarantined (held) until the lease ends.
+        assert (await get_load(stub)).num_free_blocks < idle
+        await wait_idle(stub)
+        os.kill(p1.proc.pid, signal.SIGCONT)
+        # P wakes up after its lease: it must not write, and it frees its blocks.
+        await wait_idle(pstub)
+
+    asyncio.run(run())
+
+
+def test_abort_during_transfer(cluster):
+    _, (p1, _), d = cluster
+
+    async def run():
+        stub = decode_stub(d.address)
+        os.kill(p1.proc.pid, signal.SIGSTOP)
+        call = stub.Generate(generate_request("a", PROMPT, GREEDY, [p1.address]))
+
+        async def consume():
+            async for _ in call:
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.5)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        os.kill(p1.proc.pid, signal.SIGCONT)
+        await wait_idle(stub)
+        await wait_idle(prefill_stub(p1.address))
+        # Both keep serving.
+        tokens, _, _ = await collect(stub, generate_request("a2", [1, 2, 3], GREEDY, [p1.address]))
+        assert len(tokens) == GREEDY.max_tokens
+
+    asyncio.run(run())
+
+
+def test_decode_refuses_fast_when_full(tiny_qwen3_path):
+    cluster, prefills, decodes = start_services(
+        tiny_qwen3_path, 0, 1, extra_decode=["--max-num-queued-reqs", "1", "--max-num-seqs", "1"]
+    )
+    try:
+
+        async def run():
+            stub = decode_stub(decodes[0].address)
+            long = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+            calls = [
+                asyncio.ensure_future(collect(stub, generate_request(f"f{i}", [1, 2, 3], long)))
+                for i in range(4)
+            ]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+            assert refused and all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)
+            assert "max_num_queued_reqs=1" in refused[0].details()
+            await wait_idle(stub)
+
+        asyncio.run(run())
+    finally:
+        cluster.stop()
