@@ -13,6 +13,7 @@ the UCX backend turns a dead peer into an ERR instead of a fatal UCX error (see 
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import socket
@@ -79,6 +80,7 @@ class AgentMetadata:
         return process_start_ticks(self.pid) == self.pid_start_ticks
 
 
+@functools.cache
 def host_id() -> str:
     with open("/proc/sys/kernel/random/boot_id") as f:
         return f"{socket.gethostname()}/{f.read().strip()}"

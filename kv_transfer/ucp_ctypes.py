@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterable
 from ctypes import (
     POINTER,
     byref,
@@ -209,29 +210,19 @@ def rkey_destroy(rkey: int) -> None:
     _rkey_destroy(rkey)
 
 
-def _memh_param(memh: int | None) -> _RequestParam:
-    if memh is None:
-        return _NO_PARAM
+def memh_param(memh: int) -> _RequestParam:
+    """Request parameters naming the local buffer's registration (no lookup per operation)."""
     return _RequestParam(op_attr_mask=_OP_ATTR_FIELD_MEMH, memh=memh)
 
 
-def put_or_get(
-    is_put: bool,
-    ep: int,
-    local_addr: int,
-    length: int,
-    remote_addr: int,
-    rkey: int,
-    local_memh: int | None,
-) -> None:
-    """Post one PUT/GET and let go of its request: completion is observed through a flush."""
-    fn = _put_nbx if is_put else _get_nbx
-    req = _as_request(
-        "ucp_put_nbx" if is_put else "ucp_get_nbx",
-        fn(ep, local_addr, length, remote_addr, rkey, _memh_param(local_memh)),
-    )
-    if req is not None:
-        _request_free(req)  # UCX keeps progressing it; ep flush reports its completion.
+def post_rma(is_put: bool, ep: int, ops: Iterable[tuple[int, int, int, int, object]]) -> None:
+    """Post PUTs/GETs `(local_addr, length, remote_addr, rkey, memh_param)` and let go of their
+    requests at once: UCX keeps progressing them, and an ep flush reports their completion."""
+    fn, what = (_put_nbx, "ucp_put_nbx") if is_put else (_get_nbx, "ucp_get_nbx")
+    for local_addr, length, remote_addr, rkey, param in ops:
+        ptr = fn(ep, local_addr, length, remote_addr, rkey, param)
+        if ptr is not None:
+            _request_free(_as_request(what, ptr))
 
 
 def ep_create(worker: int, worker_address: bytes, peer_error_handling: bool) -> int:

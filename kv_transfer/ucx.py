@@ -12,18 +12,20 @@ Only then is the notification tag-sent (flush before notify). Nobody runs a prog
 `progress()` (called by `poll`, `wait`, `get_notifs`) drives the worker and every request.
 
 Dead peers. With endpoint error handling off (the default, `peer_error_handling=False`), UCX
-picks cma (process_vm_writev) for RMA on one host: truly one-sided (the target needs no CPU)
-and 4-10 GB/s here. But an RMA to a peer process that has exited is a *fatal* UCX error: it
-aborts our process. So before posting, and every `_LIVENESS_PERIOD_S` while requests to a peer
-are in flight, we check that the peer process (pid + start time from its metadata) still
-exists; if not, its requests end in ERR, its endpoint is force-closed (cancelling queued ops)
-and later posts to it end in ERR. The residual window is one progress slice. Peers on another
-host cannot be checked locally: the control plane must call `Agent.mark_peer_dead`, and
-`handle.wait(timeout_s)` bounds every wait.
-With `peer_error_handling=True` (UCX_MM_ERROR_HANDLING=y + error mode PEER, keepalive 1 s),
-UCX itself turns peer death into request errors within ~1 s, but RMA becomes AM-emulated over
-shared memory: the target must call `progress()` for data to land, and throughput is noisy
-(first transfer ~0.3 GB/s, then 1-10 GB/s). Use it when peers are remote or untrusted to stay up.
+picks cma (process_vm_writev) for RMA on one host: truly one-sided (a SIGSTOPped target does not
+delay a WRITE) and 4-9 GB/s here. The price: UCX treats an RMA failure on such an endpoint as
+fatal and aborts the process (measured: a peer killed while a 64 MiB WRITE to it is queued).
+That cannot be caught, so it is avoided: before each post we check that the peer process (pid
+and start time from its metadata; same host only) still exists, so a peer that died between
+transfers yields ERR handles, never an abort; `Agent.mark_peer_dead` does the same on the
+control plane's word (the only way for peers on other hosts). Residual risk: a peer that dies
+*while* our operations to it are queued still takes this process down. Such an endpoint cannot
+be force-closed (UCX refuses), so a dead peer's endpoint is parked, never touched again.
+With `peer_error_handling=True` (UCX_MM_ERROR_HANDLING=y, error mode PEER, keepalive 1 s), UCX
+completes requests with errors instead, and the liveness check in `progress()` ends a dead
+peer's transfers within ~2 ms. But UCX then never picks cma for RMA lanes: RMA is emulated
+with messages over shared memory, so the target must call `progress()` for data to land, and
+throughput is noisy (first transfer ~0.3 GB/s, then 1-10 GB/s).
 """
 
 from __future__ import annotations
@@ -91,10 +93,12 @@ class UcxBackend(TransferBackend):
         self._worker_h: int = self._worker.handle
         self._region_addrs: list[int] = []
         self._memhs: list[int] = []
+        self._memh_params: list[object] = []  # per region, reused by every RMA from it
         self._packed_rkeys: list[bytes] = []
         self._peers: dict[str, _Peer] = {}
         self._orphans: list[tuple[int, object]] = []  # (ucx request, what it keeps alive)
-        self._parked_eps: list[int] = []  # endpoints to dead peers, never touched again
+        self._parked: list[tuple[int, list[int]]] = []  # (endpoint, rkeys) of dropped peers
+        self._is_closed = False
         self._inbox = NotifInbox(self._worker_h)
 
     def register(self, tensors: list[torch.Tensor]) -> None:
@@ -102,6 +106,7 @@ class UcxBackend(TransferBackend):
             memh = ucp.mem_map(self._ctx_h, t.data_ptr(), t.nbytes)
             self._region_addrs.append(t.data_ptr())
             self._memhs.append(memh)
+            self._memh_params.append(ucp.memh_param(memh))
             self._packed_rkeys.append(ucp.rkey_pack(self._ctx_h, memh))
 
     def blob(self) -> bytes:
@@ -122,9 +127,11 @@ class UcxBackend(TransferBackend):
 
     def disconnect(self, name: str) -> None:
         peer = self._peers.pop(name)
-        is_dead = peer.dead_reason is not None or not peer.meta.is_process_alive()
+        # Without a flush: the peer is gone, or ops to it are still queued (cancel them).
+        force = bool(peer.inflight) or peer.dead_reason is not None
+        force = force or not peer.meta.is_process_alive()
         self._fail_inflight(peer, f"remote agent {name!r} was removed during the transfer")
-        self._close_ep(peer, force=is_dead or bool(peer.inflight))
+        self._close_ep(peer, force)
 
     def mark_dead(self, name: str, reason: str) -> None:
         peer = self._peers[name]
@@ -141,14 +148,15 @@ class UcxBackend(TransferBackend):
     def _close_ep(self, peer: _Peer, force: bool) -> None:
         if peer.ep is None:
             return
-        for rkey in peer.rkeys:
-            ucp.rkey_destroy(rkey)
-        ep, peer.ep, peer.rkeys = peer.ep, None, []
+        ep, rkeys, peer.ep, peer.rkeys = peer.ep, peer.rkeys, None, []
         if force and not self.peer_error_handling:
             # UCX refuses to force-close an endpoint without error handling, and a flushing
-            # close would touch the dead peer. Park it: it is never used again.
-            self._parked_eps.append(ep)
+            # close would touch the dead peer now. Park it (and the rkeys queued ops may still
+            # use) until close().
+            self._parked.append((ep, rkeys))
             return
+        for rkey in rkeys:
+            ucp.rkey_destroy(rkey)
         self._wait_or_orphan(ucp.ep_close(ep, force))
 
     def _wait_or_orphan(self, req: int | None) -> None:
@@ -179,18 +187,19 @@ class UcxBackend(TransferBackend):
         if peer.dead_reason is not None:
             return UcxRequest.failed(remote, peer.dead_reason)
         assert peer.ep is not None
-        is_put = op is XferOp.WRITE
+        raddrs, rkeys = peer.meta.region_addrs, peer.rkeys
+        ops = (
+            (
+                self._region_addrs[ld.region] + ld.offset_bytes,
+                ld.length_bytes,
+                raddrs[rd.region] + rd.offset_bytes,
+                rkeys[rd.region],
+                self._memh_params[ld.region],
+            )
+            for ld, rd in zip(local_descs, remote_descs, strict=True)
+        )
         try:
-            for ld, rd in zip(local_descs, remote_descs, strict=True):
-                ucp.put_or_get(
-                    is_put,
-                    peer.ep,
-                    self._region_addrs[ld.region] + ld.offset_bytes,
-                    ld.length_bytes,
-                    peer.meta.region_addrs[rd.region] + rd.offset_bytes,
-                    peer.rkeys[rd.region],
-                    self._memhs[ld.region],
-                )
+            ucp.post_rma(op is XferOp.WRITE, peer.ep, ops)
             flush_req = ucp.ep_flush(peer.ep)
         except ucp.UcxError as e:  # a failed endpoint (error handling on): report, keep going
             return UcxRequest.failed(remote, f"{op.value} to {remote!r} failed: {e}")
@@ -230,15 +239,20 @@ class UcxBackend(TransferBackend):
         return self._inbox.take()
 
     def close(self) -> None:
+        if self._is_closed:
+            return
+        self._is_closed = True
         for name in list(self._peers):
             self.disconnect(name)
+        for ep, rkeys in self._parked:
+            for rkey in rkeys:
+                ucp.rkey_destroy(rkey)
+            self._wait_or_orphan(ucp.ep_close(ep, False))
+        self._parked.clear()
         for _ in range(100):
             self.progress()
             if not self._orphans:
                 break
-        for ep in self._parked_eps:
-            self._wait_or_orphan(ucp.ep_close(ep, False))
-        self._parked_eps.clear()
         for memh in self._memhs:
             ucp.mem_unmap(self._ctx_h, memh)
         self._memhs.clear()
