@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_main(rest)
         return 0
     if cmd == "gateway":
-        from gateway.serving import main as gateway_main
+        from gateway.__main__ import main as gateway_main
 
         gateway_main(rest)
         return 0

@@ -1,0 +1,22 @@
+"""Tandem's gateway: the OpenAI API in front of the decode (and prefill) services.
+
+Module map:
+  __main__     `main(argv)`: flags → settings → uvicorn (`tandem gateway`, `python -m gateway`)
+  config       GatewaySettings (pydantic-settings; flags and TANDEM_GATEWAY_* variables)
+  app          create_app: state, routes, error handlers, access log
+  deps         GatewayState and the `GatewayDep` dependency
+  model_info   tokenizer, max_model_len, generation_config of the served model
+  protocol     OpenAI request bodies (+ vLLM extra fields)
+  preprocess   tokenize, validate (vLLM messages), SamplingParams, one ChildJob per sample
+  registry     InstanceRegistry (discovery) + StaticRegistry from settings
+  router       Router contract + RoundRobinRouter with per-instance health
+  clients      grpc.aio channels to decodes, probes, background aborts
+  dispatch     admission with fallback, ChildStream (detokenize + stop strings), merge
+  serving      SSE framing, collecting choices, usage, client disconnects
+  logprobs     chat / completions logprobs shapes
+  errors       OpenAI-shaped errors and the FastAPI handlers
+  access_log   one log line per request (method, path, status, latency)
+  routes/      chat, completions, models (+ version), health
+"""
+
+__version__ = "0.1.0"

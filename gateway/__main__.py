@@ -1,0 +1,69 @@
+"""`tandem gateway` / `python -m gateway`: parse flags, build the app, run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import uvicorn
+from pydantic import ValidationError
+
+from gateway.app import create_app
+from gateway.config import GatewaySettings
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="tandem gateway", description=__doc__)
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    p.add_argument("--model", help="model folder or hub id (tokenizer and configs are read)")
+    p.add_argument("--served-model-name", nargs="+", help="name(s) clients may use (vLLM: nargs+)")
+    p.add_argument("--max-model-len", type=int, help="default: the model's context length")
+    p.add_argument("--decode", help="decode instances, host:port,...")
+    p.add_argument("--prefill", help="prefill instances, host:port,... (none: local prefill)")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
+    """Flags given on the command line win; the rest come from TANDEM_GATEWAY_* or defaults."""
+    names = ("host", "port", "model", "served_model_name", "max_model_len", "decode", "prefill")
+    explicit = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    if "served_model_name" in explicit:  # `--served-model-name a b` or `a,b`
+        explicit["served_model_name"] = ",".join(explicit["served_model_name"])
+    return GatewaySettings(**explicit)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as e:
+        raise SystemExit(f"tandem gateway: invalid settings:\n{e}") from None
+    app = create_app(settings)
+    # uvicorn's access log would duplicate ours (and log query strings).
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, access_log=False, log_level=args.log_level
+    )
+    asyncio.run(_serve(uvicorn.Server(config)))
+
+
+async def _serve(server: uvicorn.Server) -> None:
+    """Run uvicorn; print `READY gateway host:port` once it listens (`tandem serve` waits
+    for that line, so the port may be 0)."""
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        print(f"READY gateway {host}:{port}", flush=True)
+    await task
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""The FastAPI application: builds the gateway's state and wires routes and handlers."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from gateway import __version__
+from gateway.access_log import AccessLogMiddleware
+from gateway.clients import DecodeClients
+from gateway.config import GatewaySettings
+from gateway.deps import GatewayState
+from gateway.dispatch import Dispatcher
+from gateway.errors import install_handlers
+from gateway.logprobs import TokenTexts
+from gateway.model_info import ModelInfo, load_model_info
+from gateway.registry import InstanceRegistry, StaticRegistry
+from gateway.router import RoundRobinRouter, Router
+from gateway.routes import chat, completions, health, models
+
+logger = logging.getLogger(__name__)
+
+
+def build_state(
+    settings: GatewaySettings,
+    *,
+    model: ModelInfo | None = None,
+    registry: InstanceRegistry | None = None,
+    router: Router | None = None,
+) -> GatewayState:
+    """Defaults come from settings; tests and later policies inject their own pieces."""
+    model = model or load_model_info(settings)
+    registry = registry or StaticRegistry(settings.decode, settings.prefill)
+    if not registry.decodes():
+        logger.warning("no decode instances configured: every request will get a 503")
+    router = router or RoundRobinRouter(registry, cooldown_s=settings.unhealthy_cooldown_s)
+    clients = DecodeClients()
+    return GatewayState(
+        settings=settings,
+        model=model,
+        registry=registry,
+        router=router,
+        clients=clients,
+        dispatcher=Dispatcher(router, clients, model.tokenizer),
+        token_texts=TokenTexts(model.tokenizer),
+    )
+
+
+def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> FastAPI:
+    state = state or build_state(settings)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await state.clients.close()
+
+    # No docs/openapi routes: the public port serves the API and nothing else.
+    app = FastAPI(
+        title="Tandem gateway",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.gateway = state
+    for module in (chat, completions, models, health):
+        app.include_router(module.router)
+    install_handlers(app)
+    app.add_middleware(AccessLogMiddleware)
+    return app

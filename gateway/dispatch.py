@@ -1,0 +1,278 @@
+"""Sending children to decodes and turning their token streams into text deltas.
+
+Lifecycle of one child (one engine request):
+  plan routes → for each decode in order: `Generate` and wait for the first message
+    RESOURCE_EXHAUSTED (status or Error event) → report REFUSED, try the next decode
+    UNAVAILABLE → report UNAVAILABLE (router cools it down), try the next decode
+    first TokenChunk → admitted; from here on the child is a `ChildStream`
+  TokenChunk → detokenize + stop strings (engine `RequestState`) → `TokenDelta`
+    stop string hit → cancel the call and `D.Abort` it; the delta carries finish "stop"
+  Final → flush held-back text; the delta carries finish_reason and cached tokens
+  Error / broken stream → `APIError` (the route turns it into an SSE error event or HTTP error)
+A child whose consumer goes away (client disconnect, a sibling failed) cancels its call, which
+makes D abort the request and free its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+from transformers import PreTrainedTokenizerBase
+
+from engine.engine_core import EngineCoreOutput
+from engine.output_processor import OutputProcessor, RequestState
+from gateway.clients import DecodeClients
+from gateway.errors import APIError
+from gateway.preprocess import ChildJob, to_proto
+from gateway.registry import Instance
+from gateway.router import Outcome, Router
+from protos import common_pb2, decode_pb2
+
+_ERROR_STATUS = {
+    common_pb2.Error.INVALID_ARGUMENT: 400,
+    common_pb2.Error.RESOURCE_EXHAUSTED: 503,
+}
+
+
+@dataclass
+class TokenDelta:
+    index: int  # choice index
+    text: str
+    token_ids: list[int]
+    logprobs: list[common_pb2.TokenLogprobs]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class RequestOptions:
+    request_id: str
+    cache_salt: str = ""
+    priority: int = 0
+    retry_after_s: int = 1
+
+
+class ChildStream:
+    def __init__(
+        self,
+        job: ChildJob,
+        state: RequestState,
+        call: grpc.aio.UnaryStreamCall,
+        first: decode_pb2.GenerateResponse,
+        decode: Instance,
+        clients: DecodeClients,
+    ):
+        self.job, self.state, self.call, self.decode = job, state, call, decode
+        self._first = first
+        self._clients = clients
+        self._is_done = False
+
+    async def deltas(self) -> AsyncIterator[TokenDelta]:
+        msg = self._first
+        try:
+            while True:
+                kind = msg.WhichOneof("kind")
+                if kind == "tokens":
+                    delta = self._on_tokens(msg.tokens)
+                    if self.state.finish_reason is not None:  # a stop string ended it here
+                        self._is_done = True
+                        self.call.cancel()  # D aborts on cancellation; Abort is belt and braces
+                        self._clients.abort_soon(self.decode, self.state.request_id)
+                        yield delta
+                        return
+                    yield delta
+                elif kind == "final":
+                    self._is_done = True
+                    yield self._on_final(msg.final)
+                    return
+                elif kind == "error":
+                    self._is_done = True
+                    raise error_from_event(msg.error)
+                msg = await self._read()
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        if not self._is_done:
+            self._is_done = True
+            self.call.cancel()
+
+    async def _read(self) -> decode_pb2.GenerateResponse:
+        try:
+            msg = await self.call.read()
+        except grpc.aio.AioRpcError as e:
+            self._is_done = True
+            raise APIError(f"Decode failed mid-stream: {e.details() or e.code().name}", 500) from e
+        if msg is grpc.aio.EOF:
+            self._is_done = True
+            raise APIError("Decode ended the stream without a final message.", 500)
+        return msg
+
+    def _on_tokens(self, chunk: decode_pb2.TokenChunk) -> TokenDelta:
+        ids = list(chunk.token_ids)
+        lps = [dict(zip(lp.token_ids, lp.logprobs)) for lp in chunk.logprobs]
+        text = self.state.add(EngineCoreOutput(self.state.request_id, ids, lps))
+        return TokenDelta(
+            self.job.index,
+            text,
+            ids,
+            list(chunk.logprobs),
+            self.state.finish_reason,
+            self.state.stop_reason,
+        )
+
+    def _on_final(self, final: decode_pb2.Final) -> TokenDelta:
+        stop_reason = final.stop_token_id if final.HasField("stop_token_id") else None
+        out = EngineCoreOutput(
+            self.state.request_id,
+            finish_reason=final.finish_reason or "stop",
+            stop_reason=stop_reason,
+        )
+        text = self.state.add(out)
+        return TokenDelta(
+            self.job.index,
+            text,
+            [],
+            [],
+            self.state.finish_reason,
+            self.state.stop_reason,
+            final.usage.cached_tokens,
+        )
+
+
+class Dispatcher:
+    """Admits children at decodes chosen by the router and hands back their streams."""
+
+    def __init__(self, router: Router, clients: DecodeClients, tokenizer: PreTrainedTokenizerBase):
+        self.router, self.clients, self.tokenizer = router, clients, tokenizer
+
+    async def start(self, jobs: Sequence[ChildJob], opts: RequestOptions) -> list[ChildStream]:
+        """Admit every child (concurrently), or cancel those admitted and raise the error."""
+        processor = OutputProcessor(self.tokenizer)
+        tasks = [asyncio.create_task(self._admit(job, processor, opts)) for job in jobs]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        except BaseException:  # cancelled: the client went away while we waited
+            await _discard(tasks)
+            raise
+        error = next((t.exception() for t in done if t.exception() is not None), None)
+        if error is not None:
+            await _discard(tasks)
+            raise error
+        return [t.result() for t in tasks]
+
+    async def _admit(
+        self, job: ChildJob, processor: OutputProcessor, opts: RequestOptions
+    ) -> ChildStream:
+        child_id = f"{job.index}_{opts.request_id}"
+        routes = self.router.plan(job.prompt_token_ids)
+        num_refused = 0
+        for route in routes:
+            request = decode_pb2.GenerateRequest(
+                request_id=child_id,
+                transfer_id=uuid.uuid4().hex,  # one per attempt: each D owns its own blocks
+                prompt_token_ids=job.prompt_token_ids,
+                params=to_proto(job.params),
+                cache_salt=opts.cache_salt,
+                priority=opts.priority,
+                prefill=[
+                    decode_pb2.PrefillTarget(address=p.address, instance_id=p.instance_id)
+                    for p in route.prefills
+                ],
+            )
+            call = self.clients.stub(route.decode).Generate(request)
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.router.report(route.decode, Outcome.UNAVAILABLE)
+                    continue
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self.router.report(route.decode, Outcome.REFUSED)
+                    num_refused += 1
+                    continue
+                self.router.report(route.decode, Outcome.OK)
+                raise error_from_rpc(e) from e
+            except BaseException:
+                call.cancel()
+                raise
+            if first is grpc.aio.EOF:
+                raise APIError("Decode ended the stream without a response.", 500)
+            if first.WhichOneof("kind") == "error":
+                call.cancel()
+                if first.error.code == common_pb2.Error.RESOURCE_EXHAUSTED:
+                    self.router.report(route.decode, Outcome.REFUSED)
+                    num_refused += 1
+                    continue
+                self.router.report(route.decode, Outcome.OK)
+                raise error_from_event(first.error, opts.retry_after_s)
+            self.router.report(route.decode, Outcome.OK)
+            state = processor.add_request(child_id, job.prompt_token_ids, job.params)
+            return ChildStream(job, state, call, first, route.decode, self.clients)
+        if num_refused:
+            raise APIError(
+                "All decode instances are busy; retry later.", 503, retry_after_s=opts.retry_after_s
+            )
+        raise APIError("No decode instance is reachable.", 503, retry_after_s=opts.retry_after_s)
+
+
+def error_from_event(error: common_pb2.Error, retry_after_s: int | None = None) -> APIError:
+    status = _ERROR_STATUS.get(error.code, 500)
+    message = error.message or common_pb2.Error.Code.Name(error.code)
+    return APIError(message, status, retry_after_s=retry_after_s if status == 503 else None)
+
+
+def error_from_rpc(e: grpc.aio.AioRpcError) -> APIError:
+    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return APIError(e.details() or "Invalid request.", 400)
+    return APIError(f"Decode failed: {e.details() or e.code().name}", 500)
+
+
+async def merge(streams: Sequence[ChildStream]) -> AsyncIterator[TokenDelta]:
+    """Interleave the children's deltas as they arrive; any child's error ends all of them."""
+    pending: dict[asyncio.Task, AsyncIterator[TokenDelta]] = {}
+
+    def schedule(it: AsyncIterator[TokenDelta]) -> None:
+        pending[asyncio.create_task(_next(it))] = it
+
+    for s in streams:
+        schedule(s.deltas())
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                it = pending.pop(task)
+                delta = task.result()
+                if delta is None:
+                    continue
+                yield delta
+                schedule(it)
+    finally:
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        for s in streams:
+            s.cancel()
+
+
+async def _discard(tasks: list[asyncio.Task]) -> None:
+    """Cancel admissions still running and close the streams of those that succeeded."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for t in tasks:
+        if not t.cancelled() and t.exception() is None:
+            t.result().cancel()
+
+
+async def _next(it: AsyncIterator[TokenDelta]) -> TokenDelta | None:
+    try:
+        return await anext(it)
+    except StopAsyncIteration:
+        return None

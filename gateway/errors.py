@@ -1,0 +1,100 @@
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, vLLM's wording.
+
+Every failure the gateway reports is an `APIError`; handlers registered in `install_handlers`
+turn it (and FastAPI's own validation and HTTP errors) into that shape, so the official
+`openai` SDK raises its matching exception class (NotFoundError, BadRequestError, ...).
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 400,
+        *,
+        param: str | None = None,
+        retry_after_s: int | None = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status_code, HTTPStatus(self.status_code).phrase.replace(" ", ""))
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.status_code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        headers = None
+        if self.retry_after_s is not None:
+            headers = {"Retry-After": str(self.retry_after_s)}
+        return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(message, 400, param=param)
+
+
+def model_not_found(model: str | None) -> APIError:
+    return APIError(f"The model `{model}` does not exist.", 404, param="model")
+
+
+def _format_validation(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts) or "Invalid request."
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI answers 422; OpenAI clients expect 400 BadRequestError.
+        return bad_request(_format_validation(exc)).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(str(exc.detail), exc.status_code).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error: %s", type(exc).__name__)
+        return APIError("Internal server error.", 500).response()

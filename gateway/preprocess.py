@@ -1,0 +1,158 @@
+"""From an OpenAI request to engine work: tokenize, validate, resolve sampling parameters.
+
+Order follows vLLM: the model check, then the prompt, then the length check with the numbers,
+then `SamplingParams` validation (its ValueError text is the 400 message). The result is one
+`ChildJob` per engine request: a request with n samples of p prompts is p * n children, each
+an n=1 request with `SamplingParams.child_params(i)`, so every child is routed independently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import apply_chat_template
+from gateway.errors import bad_request, model_not_found
+from gateway.model_info import ModelInfo
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from protos import common_pb2
+
+
+@dataclass(frozen=True)
+class ChildJob:
+    index: int  # the choice index in the response
+    prompt_token_ids: list[int]
+    params: SamplingParams  # n=1, max_tokens resolved
+
+
+def check_model(info: ModelInfo, model: str | None) -> None:
+    if not info.is_served(model):
+        raise model_not_found(model)
+
+
+def tokenize_chat(info: ModelInfo, req: ChatCompletionRequest) -> list[int]:
+    try:
+        messages = [m.to_template_dict() for m in req.messages]
+        return apply_chat_template(
+            info.tokenizer, messages, req.add_generation_prompt, **(req.chat_template_kwargs or {})
+        )
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from e
+    except Exception as e:  # noqa: BLE001 - jinja errors: a template that rejects the messages
+        raise bad_request(f"Failed to apply the chat template: {e}", "messages") from e
+
+
+def tokenize_completion(info: ModelInfo, req: CompletionRequest) -> list[list[int]]:
+    result = []
+    for prompt in req.prompts():
+        if isinstance(prompt, str):
+            ids = list(info.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens))
+        else:
+            ids = prompt
+            bad = [t for t in ids if not 0 <= t < info.vocab_size]
+            if bad:
+                raise bad_request(f"Token id {bad[0]} is out of vocabulary", "prompt")
+        if not ids:
+            raise bad_request("The decoder prompt cannot be empty", "prompt")
+        result.append(ids)
+    return result
+
+
+def resolve_max_tokens(info: ModelInfo, prompt_len: int, requested: int | None) -> int | None:
+    """vLLM's checks, messages and default (max_model_len - prompt_len, capped by the config)."""
+    max_len = info.max_model_len
+    if prompt_len >= max_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_len} tokens. However, your request has "
+            f"{prompt_len} input tokens. Please reduce the length of the input messages.",
+            "messages",
+        )
+    if requested is not None:
+        if prompt_len + requested > max_len:
+            raise bad_request(
+                f"'max_tokens' is too large: {requested}. This model's maximum context length is "
+                f"{max_len} tokens and your request has {prompt_len} input tokens "
+                f"({requested} > {max_len} - {prompt_len}).",
+                "max_tokens",
+            )
+        return requested
+    default = max_len - prompt_len
+    config_max = info.generation_config.get("max_new_tokens")
+    return default if config_max is None else min(default, config_max)
+
+
+def build_params(
+    info: ModelInfo,
+    req: SamplingFields,
+    max_tokens: int | None,
+    num_logprobs: int | None,
+    max_logprobs: int,
+) -> SamplingParams:
+    if num_logprobs is not None and num_logprobs > max_logprobs:
+        raise bad_request(
+            f"Requested sample logprobs of {num_logprobs}, which is greater than max allowed: "
+            f"{max_logprobs}",
+            "logprobs",
+        )
+    overrides = dict(
+        n=req.n,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        seed=req.seed,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        logprobs=num_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    )
+    # Unset (None) fields fall back to generation_config.json, then to SamplingParams' defaults.
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return SamplingParams.from_generation_config(info.generation_config, **overrides)
+    except (ValueError, TypeError) as e:
+        raise bad_request(str(e)) from e
+
+
+def make_jobs(
+    info: ModelInfo,
+    req: SamplingFields,
+    prompts: Sequence[list[int]],
+    num_logprobs: int | None,
+    max_logprobs: int,
+) -> list[ChildJob]:
+    jobs = []
+    for p, ids in enumerate(prompts):
+        max_tokens = resolve_max_tokens(info, len(ids), req.requested_max_tokens())
+        params = build_params(info, req, max_tokens, num_logprobs, max_logprobs)
+        for i in range(params.n):
+            jobs.append(ChildJob(p * params.n + i, ids, params.child_params(i)))
+    return jobs
+
+
+def to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """Token-level fields only; stop strings stay at the gateway."""
+    assert params.max_tokens is not None, "the gateway resolves max_tokens before sending"
+    return common_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        seed=params.seed,
+        max_tokens=params.max_tokens,
+        min_tokens=params.min_tokens,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+    )

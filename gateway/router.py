@@ -1,0 +1,108 @@
+"""Choosing (P, D) for a request: a replaceable policy behind `Router`.
+
+The gateway asks the router for an ordered plan, tries the decodes in that order until one
+admits the request, and reports every attempt's outcome back. Health lives in the router, not
+in the request path, so a smarter policy (KV-aware, load-aware, cost-model local prefill) can
+replace `RoundRobinRouter` without touching anything else.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from gateway.registry import Instance, InstanceRegistry
+
+
+@dataclass(frozen=True)
+class Route:
+    """One attempt: call `decode.Generate` with `prefills` (empty = D prefills locally)."""
+
+    decode: Instance
+    prefills: tuple[Instance, ...]
+
+
+class Outcome(enum.Enum):
+    OK = "ok"  # the instance answered (admitted the request, or answered a probe)
+    REFUSED = "refused"  # RESOURCE_EXHAUSTED: alive but full; try another, keep it healthy
+    UNAVAILABLE = "unavailable"  # UNAVAILABLE: unreachable or shutting down; skip for a while
+
+
+class Router(ABC):
+    """Routing policy.
+
+    Contract:
+    - `plan(prompt_token_ids)` returns the routes to try for one request (one n>1 child), best
+      first, each with a different decode. The gateway stops at the first decode that admits the
+      request; an empty plan means "nothing routable" and becomes a 503.
+    - Each route's `prefills` is the list D should try, in order; empty = local prefill.
+    - `report(instance, outcome)` is called for every attempt and health probe, for decodes (and
+      for prefills once the gateway learns about their health); a router may ignore it.
+    - Both run on the event loop per request: cheap, non-blocking, no I/O.
+    """
+
+    @abstractmethod
+    def plan(self, prompt_token_ids: Sequence[int]) -> list[Route]: ...
+
+    @abstractmethod
+    def report(self, instance: Instance, outcome: Outcome) -> None: ...
+
+
+class RoundRobinRouter(Router):
+    """Rotate over healthy decodes and healthy prefills; skip instances in an UNAVAILABLE cooldown.
+
+    Why a cooldown rather than removal: a static instance list has no other signal that an
+    instance came back, so after `cooldown_s` the instance is tried again (and a successful
+    `/health` probe clears the mark early).
+    """
+
+    def __init__(
+        self,
+        registry: InstanceRegistry,
+        cooldown_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.registry = registry
+        self.cooldown_s = cooldown_s
+        self._clock = clock
+        self._unhealthy_until: dict[str, float] = {}  # instance_id -> clock time
+        self._decode_turn = itertools.count()
+        self._prefill_turn = itertools.count()
+
+    def is_healthy(self, instance: Instance) -> bool:
+        until = self._unhealthy_until.get(instance.instance_id)
+        if until is None:
+            return True
+        if self._clock() >= until:
+            del self._unhealthy_until[instance.instance_id]
+            return True
+        return False
+
+    def plan(self, prompt_token_ids: Sequence[int]) -> list[Route]:
+        decodes = _rotate(
+            [d for d in self.registry.decodes() if self.is_healthy(d)], next(self._decode_turn)
+        )
+        prefills = tuple(
+            _rotate(
+                [p for p in self.registry.prefills() if self.is_healthy(p)],
+                next(self._prefill_turn),
+            )
+        )
+        return [Route(d, prefills) for d in decodes]
+
+    def report(self, instance: Instance, outcome: Outcome) -> None:
+        if outcome is Outcome.UNAVAILABLE:
+            self._unhealthy_until[instance.instance_id] = self._clock() + self.cooldown_s
+        else:  # OK and REFUSED both prove the instance is up
+            self._unhealthy_until.pop(instance.instance_id, None)
+
+
+def _rotate(items: list[Instance], turn: int) -> list[Instance]:
+    if not items:
+        return items
+    k = turn % len(items)
+    return items[k:] + items[:k]

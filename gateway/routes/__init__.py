@@ -1,0 +1,1 @@
+"""HTTP routes, one file per concern; `app.create_app` includes their routers."""

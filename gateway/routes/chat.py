@@ -1,0 +1,108 @@
+"""`POST /v1/chat/completions`: chat template → decodes → chat.completion(.chunk) shapes."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+
+from gateway.deps import GatewayDep
+from gateway.dispatch import RequestOptions, TokenDelta
+from gateway.logprobs import TokenTexts, chat_logprobs
+from gateway.preprocess import check_model, make_jobs, tokenize_chat
+from gateway.protocol import ChatCompletionRequest
+from gateway.serving import Choice, ResponseBuilder, respond
+
+router = APIRouter()
+
+
+class ChatBuilder(ResponseBuilder):
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, *args: Any, num_logprobs: int | None, texts: TokenTexts):
+        super().__init__(*args)
+        self.num_logprobs, self.texts = num_logprobs, texts
+
+    def _logprobs(self, logprobs: list) -> dict[str, Any] | None:
+        if self.num_logprobs is None:
+            return None
+        return {"content": chat_logprobs(self.texts, logprobs, self.num_logprobs)}
+
+    def opening_choices(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "index": c.index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for c in self.choices
+        ]
+
+    def chunk_choice(self, d: TokenDelta, choice: Choice) -> dict[str, Any] | None:
+        has_logprobs = self.num_logprobs is not None and bool(d.logprobs)
+        if not d.text and d.finish_reason is None and not has_logprobs:
+            return None  # text held back (partial character or possible stop string)
+        entry = {
+            "index": d.index,
+            "delta": {"content": d.text},
+            "logprobs": self._logprobs(d.logprobs) if has_logprobs else None,
+            "finish_reason": d.finish_reason,
+        }
+        if d.finish_reason is not None:
+            entry["stop_reason"] = d.stop_reason
+        return entry
+
+    def final_body(self) -> dict[str, Any]:
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text, "tool_calls": []},
+                "logprobs": self._logprobs(c.logprobs),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in self.choices
+        ]
+        return {
+            "id": self.request_id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(),
+        }
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, gw: GatewayDep
+) -> Response:
+    check_model(gw.model, body.model)
+    prompt = tokenize_chat(gw.model, body)
+    num_logprobs = body.num_logprobs()
+    jobs = make_jobs(gw.model, body, [prompt], num_logprobs, gw.settings.max_logprobs)
+    opts = RequestOptions(
+        f"chatcmpl-{uuid.uuid4().hex}",
+        body.cache_salt or "",
+        body.priority,
+        gw.settings.retry_after_s,
+    )
+    builder = ChatBuilder(
+        opts.request_id,
+        body.model or gw.model.name,
+        [len(prompt)],
+        body.n,
+        num_logprobs=num_logprobs,
+        texts=gw.token_texts,
+    )
+    return await respond(
+        request,
+        gw.dispatcher,
+        jobs,
+        opts,
+        builder,
+        stream=body.stream,
+        include_usage=body.include_usage,
+    )

@@ -1,0 +1,191 @@
+"""What chat and completions share: SSE framing, collecting choices, usage, disconnects.
+
+An endpoint supplies a `ResponseBuilder` (how its chunks and final body look); the functions
+here drive child streams through it. The HTTP status is decided before the first byte: admission
+errors are HTTP errors, anything later in a stream becomes an SSE error event and `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gateway.dispatch import ChildStream, Dispatcher, RequestOptions, TokenDelta, merge
+from gateway.errors import APIError
+from gateway.preprocess import ChildJob
+from protos import common_pb2
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+SSE_DONE = "data: [DONE]\n\n"
+# nginx's "client closed request": only ever seen in our access log.
+CLIENT_CLOSED = 499
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+@dataclass
+class Choice:
+    """Everything one choice has produced so far."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    text_offset: int = 0  # completions logprobs: offset of the next token's text
+
+    def add(self, d: TokenDelta) -> None:
+        self.text += d.text
+        self.token_ids.extend(d.token_ids)
+        self.logprobs.extend(d.logprobs)
+        if d.finish_reason is not None:
+            self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
+        self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)
+
+
+class ResponseBuilder(ABC):
+    """One endpoint's response shapes. `prompt_lens[p]` is prompt p's length; choice `i`
+    belongs to prompt `i // n`."""
+
+    def __init__(self, request_id: str, model: str, prompt_lens: Sequence[int], n: int):
+        self.request_id, self.model = request_id, model
+        self.prompt_lens, self.n = list(prompt_lens), n
+        self.created = int(time.time())
+        self.choices = [Choice(i) for i in range(len(prompt_lens) * n)]
+
+    chunk_object: str
+
+    def opening_choices(self) -> list[dict[str, Any]]:
+        """Choice entries sent before any token (chat: the assistant role)."""
+        return []
+
+    @abstractmethod
+    def chunk_choice(self, d: TokenDelta, choice: Choice) -> dict[str, Any] | None:
+        """The streamed entry for one delta (already added to `choice`); None: send nothing."""
+
+    @abstractmethod
+    def final_body(self) -> dict[str, Any]:
+        """The non-streaming response, from `self.choices`."""
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:
+        body = {
+            "id": self.request_id,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    def usage(self) -> dict[str, Any]:
+        num_prompt_tokens = sum(self.prompt_lens)
+        num_completion_tokens = sum(len(c.token_ids) for c in self.choices)
+        # Cached tokens once per prompt, from its first sample (siblings share the prompt).
+        num_cached_tokens = sum(c.num_cached_tokens for c in self.choices if c.index % self.n == 0)
+        return {
+            "prompt_tokens": num_prompt_tokens,
+            "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+        }
+
+
+async def respond(
+    request: Request,
+    dispatcher: Dispatcher,
+    jobs: Sequence[ChildJob],
+    opts: RequestOptions,
+    builder: ResponseBuilder,
+    *,
+    stream: bool,
+    include_usage: bool,
+) -> Response:
+    """Admit all children (errors here are HTTP errors), then stream or collect."""
+    streams = await until_disconnect(request, dispatcher.start(jobs, opts))
+    if streams is None:
+        return Response(status_code=CLIENT_CLOSED)
+    if stream:
+        return StreamingResponse(
+            stream_sse(streams, builder, include_usage), media_type="text/event-stream"
+        )
+    body = await until_disconnect(request, collect(streams, builder))
+    if body is None:
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse(body)
+
+
+async def stream_sse(
+    streams: Sequence[ChildStream], builder: ResponseBuilder, include_usage: bool
+) -> AsyncIterator[str]:
+    """The SSE body. Cancellation (client gone) propagates into `merge`, which cancels calls."""
+    try:
+        opening = builder.opening_choices()
+        if opening:
+            yield sse(builder.chunk(opening))
+        async for d in merge(streams):
+            choice = builder.choices[d.index]
+            choice.add(d)
+            entry = builder.chunk_choice(d, choice)
+            if entry is not None:
+                yield sse(builder.chunk([entry]))
+        if include_usage:
+            yield sse(builder.chunk([], usage=builder.usage()))
+    except APIError as e:
+        logger.warning("%s failed mid-stream: %s", builder.request_id, e.message)
+        yield sse(e.body())
+    yield SSE_DONE
+
+
+async def collect(streams: Sequence[ChildStream], builder: ResponseBuilder) -> dict[str, Any]:
+    async for d in merge(streams):
+        builder.choices[d.index].add(d)
+    return builder.final_body()
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Run `work`, cancelling it if the client disconnects first (then return None).
+
+    Starlette cancels streaming bodies on disconnect by itself, but not plain handlers; without
+    this, a client that gives up on a long non-streamed completion would keep a decode busy.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # we were cancelled ourselves
+        await _cancel(task, watcher)
+        raise
+    if not task.done():
+        await _cancel(task, watcher)
+        return None
+    watcher.cancel()
+    return task.result()
+
+
+async def _cancel(*tasks: asyncio.Future) -> None:
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
