@@ -93,15 +93,25 @@ class Cluster:
 
 
 def serve_main(argv: list[str] | None = None) -> int:
+    from engine.serving import add_engine_args
+
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser("tandem serve", description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default="HuggingFaceTB/SmolLM2-135M-Instruct")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--num-prefill", type=int, default=1)
-    parser.add_argument("--num-decode", type=int, default=1)
+    add_engine_args(parser)  # validated here, passed on to every service as given
+    serve_only = {
+        "--host": "127.0.0.1",
+        "--port": 8000,
+        "--num-prefill": 1,
+        "--num-decode": 1,
+        "--served-model-name": None,
+    }
+    for flag, default in serve_only.items():
+        parser.add_argument(
+            flag, type=type(default) if default is not None else str, default=default
+        )
     parser.add_argument("--kv-backend", default="ucx", choices=["ucx", "inproc"])
-    parser.add_argument("--served-model-name", default=None)
-    args, engine_args = parser.parse_known_args(argv)
+    args = parser.parse_args(argv)
+    engine_args = _without(argv, serve_only)
     if args.num_decode < 1 or args.num_prefill < 0:
         parser.error("need --num-decode >= 1 and --num-prefill >= 0")
     cluster = Cluster()
@@ -113,7 +123,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        svc = [args.model, *engine_args, "--kv-backend", args.kv_backend]
+        svc = [*engine_args, *([] if args.model in engine_args else [args.model])]
         prefills = [cluster.start("prefill", svc) for _ in range(args.num_prefill)]
         decodes = [cluster.start("decode", svc) for _ in range(args.num_decode)]
         gw_args = [
@@ -148,6 +158,19 @@ def serve_main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         cluster.stop()
+
+
+def _without(argv: list[str], flags) -> list[str]:
+    """`argv` minus the given flags and their values (`--flag v` or `--flag=v`)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif not any(a.startswith(f + "=") for f in flags):
+            out.append(a)
+    return out
 
 
 def _passthrough(argv: list[str], flags: tuple[str, ...]) -> list[str]:
