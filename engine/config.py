@@ -88,6 +88,7 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     load_format: str = "auto"
+    enforce_eager: bool = False  # no CUDA graphs
     # The HF generation_config.json contents, or {} when `generation_config="vllm"`.
     generation_config: dict[str, Any] = field(default_factory=dict)
     tokenizer: str | None = None
@@ -204,6 +205,7 @@ class EngineConfig:
         scheduling_policy: str = "fcfs",
         enable_chunked_prefill: bool = True,
         load_format: str = "auto",
+        enforce_eager: bool = False,
         generation_config: str = "auto",
         device: str = "auto",
         seed: int = 0,
@@ -237,6 +239,7 @@ class EngineConfig:
             dtype=_resolve_dtype(dtype, hf_config, device),
             max_model_len=max_model_len,
             load_format=load_format,
+            enforce_eager=enforce_eager,
             generation_config=gen_cfg,
             tokenizer=tokenizer,
             seed=seed,

@@ -51,9 +51,14 @@ class ModelRunner:
         mc = self.config.model
         start = time.perf_counter()
         torch.manual_seed(mc.seed)
-        with torch.device(self.device):
-            model = get_model_class(mc.hf_config)(mc.hf_config)
-        model = model.to(self.dtype)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)  # build parameters directly in the target dtype
+        try:
+            with torch.device(self.device):
+                model = get_model_class(mc.hf_config)(mc.hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        model.rotary.inv_freq = model.rotary.inv_freq.float()
         if mc.load_format == "dummy":
             model.init_dummy_weights(mc.seed)
         else:

@@ -202,7 +202,11 @@ def exponential_race(
         noise.exponential_()
     for i, generator in enumerate(generators):
         if generator is not None and not skip_rows[i]:
-            noise[i].exponential_(generator=generator)
+            if generator.device == noise.device:
+                noise[i].exponential_(generator=generator)
+            else:  # CPU generator, GPU logits: same stream as on CPU, then one copy
+                row = torch.empty(noise.shape[1], dtype=noise.dtype).exponential_(generator=generator)
+                noise[i].copy_(row, non_blocking=True)
     return (probs / noise).argmax(dim=-1)
 
 
