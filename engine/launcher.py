@@ -104,6 +104,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         "--num-prefill": 1,
         "--num-decode": 1,
         "--served-model-name": None,
+        "--redis-url": None,
     }
     for flag, default in serve_only.items():
         parser.add_argument(
@@ -124,8 +125,16 @@ def serve_main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         svc = [*engine_args, *([] if args.model in engine_args else [args.model])]
+        # With Redis the services register themselves and the gateway discovers them there.
+        redis = ["--redis-url", args.redis_url] if args.redis_url else []
+        svc += redis
         prefills = [cluster.start("prefill", svc) for _ in range(args.num_prefill)]
         decodes = [cluster.start("decode", svc) for _ in range(args.num_decode)]
+        instances = redis or [
+            "--decode",
+            ",".join(c.address for c in decodes),
+            *(["--prefill", ",".join(c.address for c in prefills)] if prefills else []),
+        ]
         gw_args = [
             "--model",
             args.model,
@@ -133,9 +142,7 @@ def serve_main(argv: list[str] | None = None) -> int:
             args.host,
             "--port",
             str(args.port),
-            "--decode",
-            ",".join(c.address for c in decodes),
-            *(["--prefill", ",".join(c.address for c in prefills)] if prefills else []),
+            *instances,
             *(["--served-model-name", args.served_model_name] if args.served_model_name else []),
             *_passthrough(engine_args, ("--max-model-len",)),
         ]

@@ -17,6 +17,7 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from engine.config import EngineConfig
+from engine.cuda_graph import DecodeGraphs, capture_sizes
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.models import get_model_class
 from engine.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
@@ -43,8 +44,16 @@ class ModelRunner:
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
         self.init_model()
-        self.attn_backend: AttentionBackend = TorchPagedAttention()
+        self.attn_backend: AttentionBackend = self._make_backend()
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
+
+    def _make_backend(self) -> AttentionBackend:
+        if self.device.type != "cuda":
+            return TorchPagedAttention()
+        from kernels.attention_backend import TritonPagedAttention
+
+        return TritonPagedAttention(static_max_seq_len=self.config.model.max_model_len)
 
     # ---- startup -------------------------------------------------------------------------
     def init_model(self) -> None:
@@ -86,9 +95,7 @@ class ModelRunner:
             if cc.kv_cache_memory_bytes is not None:
                 available = cc.kv_cache_memory_bytes
             elif self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                used = total - free
-                available = int(total * cc.gpu_memory_utilization) - used
+                available = self.profile_available_kv_bytes()
             else:
                 available = DEFAULT_CPU_KV_CACHE_BYTES
             num_blocks = available // bytes_per_block
@@ -118,10 +125,76 @@ class ModelRunner:
         )
         return num_blocks
 
+    @torch.inference_mode()
+    def profile_available_kv_bytes(self) -> int:
+        """vLLM's rule: KV gets `gpu_memory_utilization` x total memory, minus what the
+        weights and the peak activations of a full-budget forward pass take."""
+        mc, sc = self.config.model, self.config.scheduler
+        num_tokens = min(sc.max_num_batched_tokens, mc.max_model_len)
+        num_blocks = cdiv(num_tokens, self.block_size) + 1
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.init_kv_cache(num_blocks)
+        scratch_kv = self.kv_cache.nbytes
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=self.device) + self.block_size,
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(1, num_blocks, dtype=torch.int32, device=self.device)[None],
+            query_start_loc_cpu=[0, num_tokens],
+            seq_lens_cpu=[num_tokens],
+            block_size=self.block_size,
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        hidden = self._forward(ids, torch.arange(num_tokens, device=self.device), meta)
+        self.model.compute_logits(hidden[-min(num_tokens, sc.max_num_seqs) :])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch_kv
+        del self.kv_cache, hidden
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        available = int(total * self.config.cache.gpu_memory_utilization) - peak - non_torch
+        logger.info(
+            "Memory profiling: peak %.2f GiB (weights + activations), other %.2f GiB, "
+            "KV budget %.2f GiB",
+            peak / GiB,
+            non_torch / GiB,
+            available / GiB,
+        )
+        return available
+
     def init_kv_cache(self, num_blocks: int) -> None:
         mc = self.config.model
         shape = (num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def init_cuda_graphs(self) -> None:
+        mc, sc = self.config.model, self.config.scheduler
+        if self.device.type != "cuda" or mc.enforce_eager:
+            return
+        hf = mc.hf_config
+        max_bs = min(sc.max_num_seqs, 512)
+        self.attn_backend.reserve(
+            max_bs,
+            hf.num_attention_heads,
+            mc.num_kv_heads,
+            mc.head_dim,
+            mc.max_model_len,
+            self.device,
+        )
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.kv_cache,
+            self.attn_backend,
+            max_bs,
+            cdiv(mc.max_model_len, self.block_size),
+            self.block_size,
+            mc.max_model_len,
+        )
+        self.graphs.capture(capture_sizes(max_bs))
 
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -142,29 +215,36 @@ class ModelRunner:
             seq_lens.append(end)
             tables.append(block_ids[: cdiv(end, self.block_size)])
         width = max(len(t) for t in tables)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(
-                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev
-            ),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-            block_size=self.block_size,
-            max_query_len=max(s.num_new_tokens for s in sched.scheduled),
-            max_seq_len=max(seq_lens),
-        )
-        hidden = self._forward(
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta,
-        )
+        to_dev = self._to_device
+        ids_t, pos_t = to_dev(input_ids, torch.int64), to_dev(positions, torch.int64)
+        slots_t, lens_t = to_dev(slots, torch.int64), to_dev(seq_lens, torch.int32)
+        tables_t = to_dev([t + [0] * (width - len(t)) for t in tables], torch.int32)
+        max_query_len = max(s.num_new_tokens for s in sched.scheduled)
+        if max_query_len == 1 and self.graphs and self.graphs.graph_size(len(seq_lens)):
+            hidden = self.graphs.run(ids_t, pos_t, slots_t, lens_t, tables_t)
+        else:
+            meta = AttentionMetadata(
+                slot_mapping=slots_t,
+                query_start_loc=to_dev(qsl, torch.int32),
+                seq_lens=lens_t,
+                block_tables=tables_t,
+                query_start_loc_cpu=qsl,
+                seq_lens_cpu=seq_lens,
+                block_size=self.block_size,
+                max_query_len=max_query_len,
+                max_seq_len=max(seq_lens),
+            )
+            hidden = self._forward(ids_t, pos_t, meta)
         out = ModelRunnerOutput()
         self._prompt_logprobs(sched, hidden, qsl, out)
         self._sample(sched, hidden, qsl, out)
         return out
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _forward(self, input_ids, positions, meta) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_cache, meta, self.attn_backend)

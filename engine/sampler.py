@@ -205,7 +205,9 @@ def exponential_race(
             if generator.device == noise.device:
                 noise[i].exponential_(generator=generator)
             else:  # CPU generator, GPU logits: same stream as on CPU, then one copy
-                row = torch.empty(noise.shape[1], dtype=noise.dtype).exponential_(generator=generator)
+                row = torch.empty(noise.shape[1], dtype=noise.dtype).exponential_(
+                    generator=generator
+                )
                 noise[i].copy_(row, non_blocking=True)
     return (probs / noise).argmax(dim=-1)
 

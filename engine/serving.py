@@ -1,4 +1,5 @@
-"""What the prefill and decode services share: engine arguments, proto conversion, health.
+"""What the prefill and decode services share: engine arguments, proto conversion, health,
+KV events and registration (`KVPublishing`).
 
 Health is two things (gRPC health protocol): liveness is the empty service name (the process
 answers); readiness is the service's own name and also requires the engine loop to be alive
@@ -10,6 +11,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import asdict
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,6 +22,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from engine.kv_events import EventBatch, KVEventSource, LoadSnapshot
+from engine.registry import InstanceRecord, RedisPublisher, new_epoch
 from engine.sampling_params import SamplingParams
 from protos import common_pb2
 
@@ -148,6 +155,108 @@ def load_response(core: EngineCore, instance_id: str, kv_backend: str, **extra):
         num_idle_free_blocks=core.kv.pool.num_usable_blocks,
         **extra,
     )
+
+
+# ---- KV events and registration ------------------------------------------------------------
+_EVENT_KINDS = {
+    "stored": common_pb2.KVEvent.STORED,
+    "removed": common_pb2.KVEvent.REMOVED,
+    "cleared": common_pb2.KVEvent.CLEARED,
+}
+
+
+class KVPublishing:
+    """One service's KV events and load: the engine hook, the `WatchKVEvents` streams (the
+    gateway's embedded index) and, with `--redis-url`, the Redis heartbeat and publisher."""
+
+    def __init__(self, engine: AsyncEngine, role: str, instance_id: str, model: str):
+        core = engine.core
+        self.role, self.instance_id, self.model = role, instance_id, model
+        self.epoch = new_epoch()
+        self.block_size = core.config.cache.block_size
+        self.kv_bytes_per_block = core.config.model.kv_bytes_per_token() * self.block_size
+        self.source = KVEventSource(core, measure_prefill=role == "prefill")
+        engine.hooks.append(self.source.poll)
+        self.publisher: RedisPublisher | None = None
+
+    def load_fields(self) -> dict:
+        """`LoadResponse` fields only this object knows (for `GetLoad`)."""
+        load = self.source.latest_load
+        return dict(
+            epoch=self.epoch,
+            kv_bytes_per_block=self.kv_bytes_per_block,
+            num_pending_prefill_tokens=load.num_pending_prefill_tokens if load else 0,
+            prefill_tokens_per_s=load.prefill_tokens_per_s if load else 0.0,
+        )
+
+    async def start_redis(self, url: str, address: str, heartbeat_s: float) -> None:
+        """Register and publish; READY waits for the first registration (when Redis is up) so
+        that a gateway sees a service as soon as its launcher does."""
+        record = InstanceRecord(
+            self.instance_id,
+            self.role,
+            address,
+            self.model,
+            self.block_size,
+            self.epoch,
+            self.kv_bytes_per_block,
+        )
+        self.publisher = RedisPublisher(url, self.source, record, heartbeat_s)
+        self.publisher.start()
+        if not await asyncio.to_thread(self.publisher.wait_registered, 3.0):
+            logger.warning("not registered in Redis at %s yet; serving anyway", url)
+        # SIGTERM (scale-in) leaves the pool at once instead of after the TTL, then dies as
+        # before (no graceful drain here).
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._deregister_and_die)
+
+    def _deregister_and_die(self) -> None:
+        self.stop()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def stop(self) -> None:
+        if self.publisher is not None:
+            self.publisher.stop()
+            self.publisher = None
+
+    async def stream(self) -> AsyncIterator[common_pb2.KVEventBatch]:
+        """`WatchKVEvents`: a reset first, then diffs, until the client goes away."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[EventBatch] = asyncio.Queue()
+
+        def deliver(batch: EventBatch) -> None:  # engine thread
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, batch)
+            except RuntimeError:  # the event loop closed (shutdown)
+                pass
+
+        sub = self.source.subscribe(deliver)
+        try:
+            while True:
+                yield self._to_proto(await q.get())
+        finally:
+            self.source.unsubscribe(sub)
+
+    def _to_proto(self, batch: EventBatch) -> common_pb2.KVEventBatch:
+        return common_pb2.KVEventBatch(
+            instance_id=self.instance_id,
+            epoch=self.epoch,
+            reset=batch.reset,
+            events=[
+                common_pb2.KVEvent(kind=_EVENT_KINDS[e.kind], block_hashes=e.block_hashes)
+                for e in batch.events
+            ],
+            load=self.load_to_proto(batch.load),
+        )
+
+    def load_to_proto(self, load: LoadSnapshot) -> common_pb2.LoadResponse:
+        return common_pb2.LoadResponse(
+            instance_id=self.instance_id,
+            epoch=self.epoch,
+            block_size=self.block_size,
+            kv_bytes_per_block=self.kv_bytes_per_block,
+            **asdict(load),
+        )
 
 
 # ---- health --------------------------------------------------------------------------------

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 
-# Kernels run in Triton's interpreter on CPU; must be set before any kernel module imports.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch  # noqa: E402
+
+# Without a GPU, kernels run in Triton's interpreter; set before any kernel module imports.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

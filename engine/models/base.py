@@ -56,10 +56,38 @@ class DecoderForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if x.is_cuda:
+            return self._forward_fused(x, positions, kv_cache, meta, backend)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[:, i], meta, backend)
         return self.norm(x)
+
+    def _forward_fused(self, x, positions, kv_cache, meta, backend) -> torch.Tensor:
+        """CUDA path: Triton RMSNorm(+residual), fused q/k-norm + RoPE, SiLU-and-mul."""
+        from kernels.rms_norm import fused_add_rms_norm
+
+        cache = self._cos_sin_cache(x.dtype, x.device)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer.forward_fused(
+                x, residual, positions, cache, kv_cache[:, i], meta, backend
+            )
+        x, _ = fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        return x
+
+    def _cos_sin_cache(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """[max_pos, head_dim]: cos then sin per position, built once (outside graphs)."""
+        cache = getattr(self, "_cos_sin", None)
+        if cache is None or cache.dtype != dtype or cache.device != device:
+            from kernels.reference import build_cos_sin_cache
+
+            max_pos = getattr(self.config, "max_position_embeddings", None) or 4096
+            cache = build_cos_sin_cache(
+                self.rotary.inv_freq.to(device), max_pos, dtype, self.rotary.attention_scaling
+            )
+            self._cos_sin = cache
+        return cache
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight

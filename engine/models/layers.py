@@ -89,6 +89,30 @@ class Attention(nn.Module):
         o = backend.forward(q, k, v, kv_layer, meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
+    def forward_fused(self, x, positions, cos_sin_cache, kv_layer, meta, backend):
+        """CUDA: (q/k-norm +) RoPE in one in-place kernel over views of the qkv output."""
+        from kernels.rotary import rotary_embedding
+
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            rotary_embedding(
+                positions,
+                q,
+                k,
+                cos_sin_cache,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.q_norm.eps,
+            )
+        else:
+            rotary_embedding(positions, q, k, cos_sin_cache)
+        o = backend.forward(q, k, v, kv_layer, meta, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
 
 class MLP(nn.Module):
     def __init__(self, config: PretrainedConfig):
@@ -102,6 +126,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        from kernels.activation import silu_and_mul
+
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -119,3 +148,18 @@ class DecoderLayer(nn.Module):
         residual = x
         x = self.mlp(self.post_attention_layernorm(x))
         return residual + x
+
+    def forward_fused(self, x, residual, positions, cos_sin_cache, kv_layer, meta, backend):
+        """CUDA, vLLM-style: the residual add is fused into the next RMSNorm. Returns
+        (x, residual) with the layer's output = x + residual."""
+        from kernels.rms_norm import fused_add_rms_norm, rms_norm
+
+        eps = self.input_layernorm.eps
+        if residual is None:
+            residual = x
+            x = rms_norm(x, self.input_layernorm.weight, eps)
+        else:
+            x, residual = fused_add_rms_norm(x, residual, self.input_layernorm.weight, eps)
+        x = self.self_attn.forward_fused(x, positions, cos_sin_cache, kv_layer, meta, backend)
+        x, residual = fused_add_rms_norm(x, residual, self.post_attention_layernorm.weight, eps)
+        return self.mlp.forward_fused(x), residual

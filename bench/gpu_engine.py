@@ -1,0 +1,261 @@
+"""Engine speed on one GPU (H200), next to the ceilings and the HF baseline measured in the
+same run. Random weights (`load_format="dummy"`), Qwen3-0.6B and Qwen3-8B shapes, bf16.
+
+Measured:
+- ceilings: device-to-device copy (bytes read + written / s) and an 8192^3 bf16 matmul;
+- decode TPOT at batch 1, context 512 (median engine step, CUDA graphs), and the floor
+  (weight + KV bytes) / copy bandwidth;
+- Qwen3-8B decode step at batch 64, context 1024, vs max(memory floor, compute floor);
+- Qwen3-8B prefill of one 4096-token prompt: achieved TFLOP/s (GEMMs + causal attention);
+- offline throughput, Qwen3-8B, N prompts of 512 in / 128 out: output tok/s vs the compute floor;
+- HF transformers `generate` TPOT at batch 1 on the same shapes (eager, SDPA).
+
+    python -m bench.gpu_engine --out-dir bench/results [--models qwen3-8b] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config
+
+from bench.common import write_result
+from engine import LLM, SamplingParams
+from engine.request import Request
+
+SHAPES = {
+    "qwen3-0.6b": dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def make_config_dir(name: str, root: Path) -> Path:
+    cfg = Qwen3Config(
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        architectures=["Qwen3ForCausalLM"],
+        dtype="bfloat16",
+        **SHAPES[name],
+    )
+    path = root / name
+    cfg.save_pretrained(path)
+    return path
+
+
+def ceilings() -> dict:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    copy_gbs = 2 * x.numel() * 20 / (time.perf_counter() - t) / 1e9
+    del x, y
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    tflops = 2 * 8192**3 * 10 / (time.perf_counter() - t) / 1e12
+    return {"copy_GBps": copy_gbs, "matmul_bf16_TFLOPs": tflops}
+
+
+def step_times(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[float]]:
+    """(first step = prefill s, decode step durations s) driving the core directly."""
+    core = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        core.add_request(Request(f"b{time.monotonic_ns()}-{i}", p, params))
+    times = []
+    while core.has_unfinished_requests():
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        core.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return times[0], times[1:]
+
+
+def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 150000, (n, length), generator=g).tolist()
+
+
+def weight_bytes(llm: LLM) -> int:
+    return llm.engine.runner.weights_bytes
+
+
+def param_count(llm: LLM) -> int:
+    return sum(p.numel() for p in llm.engine.runner.model.parameters())
+
+
+def hf_tpot(path: Path, prompt_len: int, new_tokens: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(
+            Qwen3Config.from_pretrained(path), dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
+    ids = torch.randint(100, 150000, (1, prompt_len), device="cuda")
+    model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+    torch.cuda.synchronize()
+    ttft = time.perf_counter() - t
+    t = time.perf_counter()
+    model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    torch.cuda.synchronize()
+    total = time.perf_counter() - t
+    del model
+    torch.cuda.empty_cache()
+    return (total - ttft) / (new_tokens - 1)
+
+
+def bench_model(name: str, path: Path, ceil: dict, args) -> dict:
+    copy_bps = ceil["copy_GBps"] * 1e9
+    res: dict = {}
+    llm = LLM(
+        str(path),
+        load_format="dummy",
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        max_model_len=4096 + 256,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.85,
+    )
+    kv_tok = llm.config.model.kv_bytes_per_token()
+    wb, n_params = weight_bytes(llm), param_count(llm)
+    res["weight_GB"] = wb / 1e9
+    step_times(llm, random_prompts(2, 64, 99), 8)  # warm-up
+    ttft, dec = step_times(llm, random_prompts(1, 512), 128)
+    tpot = statistics.median(dec)
+    floor = (wb + 640 * kv_tok) / copy_bps
+    res["b1_ctx512"] = {
+        "ttft_ms": ttft * 1e3,
+        "tpot_ms": tpot * 1e3,
+        "floor_ms": floor * 1e3,
+        "tpot_over_floor": tpot / floor,
+    }
+    if name == "qwen3-8b":
+        _, dec = step_times(llm, random_prompts(64, 1024, 1), 16)
+        step = statistics.median(dec[2:])
+        mem = (wb + 64 * 1032 * kv_tok) / copy_bps
+        comp = 2 * n_params * 64 / (ceil["matmul_bf16_TFLOPs"] * 1e12)
+        res["b64_ctx1024"] = {
+            "step_ms": step * 1e3,
+            "memory_floor_ms": mem * 1e3,
+            "compute_floor_ms": comp * 1e3,
+            "step_over_floor": step / max(mem, comp),
+        }
+        pre, _ = step_times(llm, random_prompts(1, 4096, 2), 1)
+        hf = llm.config.model.hf_config
+        attn = 2 * 2 * hf.num_hidden_layers * hf.num_attention_heads * 128 * 4096 * 4096 / 2
+        flops = 2 * n_params * 4096 + attn
+        res["prefill_4096"] = {
+            "s": pre,
+            "TFLOPs": flops / pre / 1e12,
+            "fraction_of_matmul_ceiling": flops / pre / 1e12 / ceil["matmul_bf16_TFLOPs"],
+        }
+        n = args.num_prompts
+        prompts = random_prompts(n, 512, 3)
+        params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        job_flops = 2 * n_params * n * (512 + 128)
+        floor_s = job_flops / (ceil["matmul_bf16_TFLOPs"] * 1e12)
+        res["offline"] = {
+            "num_prompts": n,
+            "wall_s": wall,
+            "output_tok_s": n_out / wall,
+            "compute_floor_s": floor_s,
+            "wall_over_floor": wall / floor_s,
+            "preemptions": llm.engine.scheduler.num_preemptions,
+        }
+    del llm
+    torch.cuda.empty_cache()
+    if not args.skip_hf:
+        res["hf_b1_tpot_ms"] = hf_tpot(path, 512, 33) * 1e3
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out-dir", default=None, help="write gpu_engine-<date>.json here")
+    ap.add_argument("--models", default="qwen3-0.6b,qwen3-8b")
+    ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    ceil = ceilings()
+    print("ceilings", ceil, flush=True)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            t = time.perf_counter()
+            results[name] = bench_model(name, make_config_dir(name, Path(tmp)), ceil, args)
+            results[name]["bench_wall_s"] = time.perf_counter() - t
+            print(name, json.dumps(results[name], indent=1), flush=True)
+    figures = {"ceilings": ceil, **results}
+    config = {
+        "dtype": "bfloat16",
+        "block_size": 16,
+        "cuda_graphs": True,
+        "gpu": torch.cuda.get_device_name(),
+        "num_prompts": args.num_prompts,
+        "source_commit": os.environ.get("TANDEM_COMMIT", "unknown"),
+    }
+    if args.out_dir:
+        write_result("gpu_engine", config, figures, results_dir=Path(args.out_dir))
+    print("\nmodel        | TPOT b1 ms | floor ms | x floor | HF TPOT ms")
+    for name, r in results.items():
+        b1 = r["b1_ctx512"]
+        print(
+            f"{name:12} | {b1['tpot_ms']:10.2f} | {b1['floor_ms']:8.2f} | "
+            f"{b1['tpot_over_floor']:7.2f} | {r.get('hf_b1_tpot_ms', float('nan')):.1f}"
+        )
+    if "qwen3-8b" in results:
+        r = results["qwen3-8b"]
+        print("8B b64 ctx1024 step", r["b64_ctx1024"])
+        print("8B prefill 4096", r["prefill_4096"])
+        print("8B offline", r["offline"])
+
+
+if __name__ == "__main__":
+    main()

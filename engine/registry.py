@@ -1,0 +1,228 @@
+"""The services' side of the Redis registry and block-location index.
+
+Key layout (one Redis, every key under `tandem:`):
+
+- `tandem:instances`: SET of instance ids; the gateways' listing. A member whose record expired
+  is removed by the gateway that notices.
+- `tandem:instance:<id>`: STRING, the JSON `InstanceRecord` (role, address, model, block size,
+  epoch, load). `PX` TTL = 3 heartbeats, rewritten every heartbeat and whenever the load
+  changes, so an instance that stops heartbeating leaves every pool within the TTL.
+- `tandem:blocks:<id>:<epoch>`: SET of the raw 32-byte block hashes cached at the instance in
+  that epoch, same TTL. The epoch is new per process start: the record names the live epoch, so
+  an older epoch's set is never read; it expires, and a restarted process deletes its old
+  epochs' sets at once.
+
+Why one set per instance: a `stored` batch is one SADD, `cleared` one DEL, a reset DEL + SADD in
+one MULTI, a dead instance one key expiring; a lookup walks each candidate's set along the
+prompt's hash chain in one server-side script (gateway/redis_index.py), one round trip.
+
+The publisher is a thread with its own (blocking) Redis client: Redis being slow or gone never
+stalls the engine loop or the gRPC event loop. Whenever Redis may have lost writes (an error, or
+our record vanished: a Redis restart), it asks the event source for a reset and re-publishes the
+full cached set, so a restarted Redis heals without anyone's help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from engine.kv_events import EventBatch, KVEventSource, LoadSnapshot
+
+logger = logging.getLogger(__name__)
+
+INSTANCES_KEY = "tandem:instances"
+REDIS_URL_ENV = "TANDEM_REDIS_URL"
+_MAX_ARGS = 10_000  # members per SADD/SREM: keeps single commands small
+
+
+def instance_key(instance_id: str) -> str:
+    return f"tandem:instance:{instance_id}"
+
+
+def blocks_key(instance_id: str, epoch: str) -> str:
+    return f"tandem:blocks:{instance_id}:{epoch}"
+
+
+def new_epoch() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+@dataclass(frozen=True)
+class InstanceRecord:
+    """What an instance says about itself; the gateway's `RedisRegistry` parses the same JSON."""
+
+    instance_id: str
+    role: str  # "prefill" | "decode"
+    address: str  # host:port of its gRPC server
+    model: str
+    block_size: int
+    epoch: str
+    kv_bytes_per_block: int
+    load: dict[str, Any] = field(default_factory=dict)  # LoadSnapshot's fields
+    published_at: float = 0.0  # wall clock, seconds
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> InstanceRecord:
+        return cls(**json.loads(text))
+
+
+def add_registry_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get(REDIS_URL_ENV) or None,
+        help=f"register and publish KV events here (env {REDIS_URL_ENV}); off when not given",
+    )
+    parser.add_argument("--heartbeat-s", type=float, default=1.0, help="record TTL is 3x this")
+    parser.add_argument(
+        "--advertise-address", default=None, help="host:port the gateways dial (default: bound)"
+    )
+
+
+def apply_batch(pipe, key: str, batch: EventBatch, ttl_ms: int) -> None:
+    """Queue the Redis commands that make `key` follow `batch` (on a MULTI pipeline)."""
+    if batch.reset:
+        pipe.delete(key)
+    for event in batch.events:
+        hashes = event.block_hashes
+        for i in range(0, len(hashes), _MAX_ARGS):
+            if event.kind == "stored":
+                pipe.sadd(key, *hashes[i : i + _MAX_ARGS])
+            elif event.kind == "removed":
+                pipe.srem(key, *hashes[i : i + _MAX_ARGS])
+        if event.kind == "cleared":
+            pipe.delete(key)
+    pipe.pexpire(key, ttl_ms)  # a key created here never outlives a dead publisher
+
+
+class RedisPublisher:
+    """Heartbeat + KV events of one instance into Redis, from a background thread."""
+
+    def __init__(
+        self,
+        url: str,
+        source: KVEventSource,
+        record: InstanceRecord,
+        heartbeat_s: float = 1.0,
+        flush_s: float = 0.02,
+        min_load_interval_s: float = 0.1,
+    ):
+        import redis  # only services started with --redis-url need the client
+
+        self._redis = redis
+        self.client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=1.0)
+        self.source = source
+        self.record = record
+        self.heartbeat_s = heartbeat_s
+        self.ttl_ms = max(int(3000 * heartbeat_s), 100)
+        self.flush_s = flush_s
+        self.min_load_interval_s = min_load_interval_s
+        self.blocks_key = blocks_key(record.instance_id, record.epoch)
+        self._queue: queue.SimpleQueue[EventBatch] = queue.SimpleQueue()
+        self._sub = source.subscribe(self._queue.put)
+        self._stop = threading.Event()
+        self._registered = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="redis-publisher", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_registered(self, timeout_s: float) -> bool:
+        return self._registered.wait(timeout_s)
+
+    def stop(self) -> None:
+        """Leave the pool at once (not after the TTL): delete our record and blocks."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.source.unsubscribe(self._sub)
+        try:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.delete(instance_key(self.record.instance_id), self.blocks_key)
+            pipe.srem(INSTANCES_KEY, self.record.instance_id)
+            pipe.execute()
+        except self._redis.RedisError as e:
+            logger.info("could not deregister from Redis: %s", e)
+
+    # ---- the thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        is_synced = False  # Redis holds our full state (a reset was applied, nothing lost since)
+        is_cleaned = False
+        last_record_at, last_load = 0.0, None
+        while not self._stop.wait(self.flush_s):
+            batches = self._drain(is_synced)
+            load = batches[-1].load if batches else last_load
+            now = time.monotonic()
+            needs_record = now - last_record_at >= self.heartbeat_s or (
+                load != last_load and now - last_record_at >= self.min_load_interval_s
+            )
+            if not batches and not needs_record:
+                continue
+            try:
+                if not is_cleaned:
+                    self._delete_old_epochs()
+                    is_cleaned = True
+                pipe = self.client.pipeline(transaction=True)
+                for batch in batches:
+                    apply_batch(pipe, self.blocks_key, batch, self.ttl_ms)
+                if needs_record:
+                    self._queue_record(pipe, load)
+                results = pipe.execute()
+            except self._redis.RedisError as e:
+                if is_synced or self._registered.is_set():
+                    logger.warning("Redis unavailable (%s); will re-publish on reconnect", e)
+                is_synced = False
+                self._registered.clear()
+                self._sub.request_reset()
+                self._stop.wait(0.5)
+                continue
+            if batches and batches[0].reset:
+                is_synced = True
+            if needs_record:
+                last_record_at, last_load = now, load
+                if results[-2] is None and self._registered.is_set():
+                    # Our record was gone before its TTL: Redis restarted (or we stalled).
+                    logger.warning("registration lost in Redis; re-publishing cached blocks")
+                    is_synced = False
+                    self._sub.request_reset()
+                self._registered.set()
+
+    def _drain(self, is_synced: bool) -> list[EventBatch]:
+        """Queued batches to apply. Until synced, everything before the latest reset is moot."""
+        batches = []
+        while True:
+            try:
+                batches.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        if is_synced:
+            return batches
+        resets = [i for i, b in enumerate(batches) if b.reset]
+        if resets:
+            return batches[resets[-1] :]
+        # Keep only the freshest load; the blocks wait for the reset.
+        return [EventBatch(False, (), batches[-1].load)] if batches else []
+
+    def _queue_record(self, pipe, load: LoadSnapshot | None) -> None:
+        record = replace(
+            self.record, load=asdict(load) if load else {}, published_at=round(time.time(), 3)
+        )
+        pipe.sadd(INSTANCES_KEY, record.instance_id)
+        pipe.set(instance_key(record.instance_id), record.to_json(), px=self.ttl_ms, get=True)
+        pipe.pexpire(self.blocks_key, self.ttl_ms)
+
+    def _delete_old_epochs(self) -> None:
+        pattern = blocks_key(self.record.instance_id, "*")
+        stale = [k for k in self.client.scan_iter(match=pattern) if k != self.blocks_key.encode()]
+        if stale:
+            self.client.delete(*stale)

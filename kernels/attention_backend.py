@@ -1,0 +1,96 @@
+"""`TritonPagedAttention`: engine/attention.py's `AttentionBackend` contract on Triton kernels.
+
+Per layer: the KV-write kernel stores the new tokens' K/V at `slot_mapping`, then a decode-only
+batch (every sequence has one new token) takes the paged decode kernel, anything else the
+prefill kernel (which also serves the decode rows of a mixed batch). Switch the engine with
+`runner.attn_backend = TritonPagedAttention()` on CUDA.
+
+CUDA graphs: the decode path syncs nothing and allocates only the split-K workspace, which this
+backend owns and reuses across layers and steps. Give a `static_max_seq_len` (the model's max
+length) so the split count depends on the batch size alone, and call `reserve` with the
+largest captured batch before capturing so no buffer grows inside a graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from kernels.kv_cache_write import kv_cache_write
+from kernels.paged_decode_attention import (
+    SplitWorkspace,
+    choose_num_splits,
+    paged_decode_attention,
+)
+from kernels.prefill_attention import prefill_attention
+from kernels.utils import num_sms
+
+
+class TritonPagedAttention(AttentionBackend):
+    def __init__(self, static_max_seq_len: int | None = None):
+        self.static_max_seq_len = static_max_seq_len
+        self._stats = torch.empty(0)  # flat fp32 [2 * rows]: row max, row sum
+        self._acc = torch.empty(0)  # flat fp32 [rows * head_dim]
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        kv_cache_write(k, v, kv_layer, meta.slot_mapping)
+        if meta.max_query_len == 1:
+            assert q.shape[0] == meta.seq_lens.shape[0], "decode: one query row per sequence"
+            max_seq_len = self.static_max_seq_len or meta.max_seq_len
+            num_splits = self._num_splits(q.shape[0], kv_layer.shape[3], max_seq_len, q.device)
+            workspace = None
+            if num_splits > 1:
+                workspace = self._workspace(q.shape[0], q.shape[1], num_splits, q.shape[2], q)
+            return paged_decode_attention(
+                q, kv_layer, meta.block_tables, meta.seq_lens, scale,
+                max_seq_len=max_seq_len, workspace=workspace,
+            )  # fmt: skip
+        return prefill_attention(
+            q, kv_layer, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
+            max_query_len=meta.max_query_len,
+        )  # fmt: skip
+
+    def reserve(
+        self,
+        max_num_seqs: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_seq_len: int,
+        device: torch.device,
+    ) -> None:
+        """Size the split-K workspace for every batch size up to `max_num_seqs` (call before
+        CUDA-graph capture)."""
+        rows = max(
+            s * self._num_splits(s, num_kv_heads, max_seq_len, device)
+            for s in range(1, max_num_seqs + 1)
+        )
+        self._grow(rows * num_q_heads, head_dim, device)
+
+    @staticmethod
+    def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device) -> int:
+        return choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms(device))
+
+    def _grow(self, rows: int, head_dim: int, device: torch.device) -> None:
+        if self._stats.device != device or self._stats.numel() < 2 * rows:
+            self._stats = torch.empty(2 * rows, dtype=torch.float32, device=device)
+        if self._acc.device != device or self._acc.numel() < rows * head_dim:
+            self._acc = torch.empty(rows * head_dim, dtype=torch.float32, device=device)
+
+    def _workspace(self, num_seqs, num_q_heads, num_splits, head_dim, like) -> SplitWorkspace:
+        rows = num_seqs * num_q_heads * num_splits
+        self._grow(rows, head_dim, like.device)
+        shape = (num_seqs, num_q_heads, num_splits)
+        return SplitWorkspace(
+            row_max=self._stats[:rows].view(shape),
+            row_sum=self._stats[rows : 2 * rows].view(shape),
+            acc=self._acc[: rows * head_dim].view(*shape, head_dim),
+        )

@@ -1,0 +1,66 @@
+"""KV-cache write: store each new token's K and V into its paged slot.
+
+slot_mapping[t] = block_id * block_size + offset, filled by the model runner; a negative slot
+skips the token (padding rows of a CUDA-graph batch). One program per token copies its
+[Hkv, D] K and V rows (already in the [block_size, Hkv, D] tile's layout) into the layer view
+of the one model-wide cache, casting to the cache dtype. Runs before the attention kernels,
+which then read new and cached tokens alike through the block table.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.utils import check_kv_layer
+
+
+@triton.jit
+def _kernel(
+    k_ptr, v_ptr, kv_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kv_blk, stride_kv_kv, stride_kv_tok, stride_kv_h,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t)  # int64
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM) & (slot >= 0)
+    safe_slot = tl.maximum(slot, 0)  # keep skipped rows' (masked) addresses in range
+    dst = (
+        kv_ptr
+        + (safe_slot // BLOCK_SIZE) * stride_kv_blk
+        + (safe_slot % BLOCK_SIZE) * stride_kv_tok
+        + offs_h[:, None] * stride_kv_h
+        + offs_d[None, :]
+    )
+    k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_kv_kv, v.to(kv_ptr.dtype.element_ty), mask=mask)
+
+
+def kv_cache_write(
+    k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write k, v [T, Hkv, D] (D contiguous; rows may be strided views of a packed qkv) into
+    kv_layer [num_blocks, 2, block_size, Hkv, D] at slot_mapping [T] (int64, < 0 = skip)."""
+    check_kv_layer(kv_layer)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert v.shape == k.shape and kv_layer.shape[3:] == (num_kv_heads, head_dim)
+    assert k.stride(2) == 1 and v.stride(2) == 1, "head_dim must be contiguous"
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (num_tokens,)
+    assert slot_mapping.is_contiguous()
+    if num_tokens == 0:
+        return
+    _kernel[(num_tokens,)](
+        k, v, kv_layer, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_layer.shape[2],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )  # fmt: skip

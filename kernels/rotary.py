@@ -1,0 +1,115 @@
+"""RoPE (neox / rotate_half style) applied in place to q and k, optionally after Qwen3's
+per-head q/k RMSNorm: one kernel replaces up to six torch ops and their round trips.
+
+cos_sin_cache [max_pos, D] holds, per position, cos of the D/2 frequencies then their sin,
+already in the model dtype (`reference.build_cos_sin_cache` builds it bit-identical to
+`RotaryEmbedding.cos_sin` in engine/models/layers.py). Every product and sum is rounded to the
+model dtype where transformers' `x * cos + rotate_half(x) * sin` rounds it, so bf16 results
+match the torch path. One program handles all heads of one token (q and k share its cos/sin).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_heads(
+    x_ptr, stride_h, num_heads, cos, sin, norm_w1, norm_w2, eps,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    """Rotate the [num_heads, 2 * HALF] rows at x_ptr in place (norm first if HAS_NORM)."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HALF)
+    ptrs = x_ptr + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(ptrs, mask=mask, other=0.0)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    if HAS_NORM:  # HF RMSNorm over the whole head: fp32 stats, round, times weight, round
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        inv_rms = tl.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF) + eps)
+        x1 = (norm_w1 * (f1 * inv_rms[:, None]).to(dtype).to(tl.float32)).to(dtype)
+        x2 = (norm_w2 * (f2 * inv_rms[:, None]).to(dtype).to(tl.float32)).to(dtype)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    out1 = (f1 * cos).to(dtype).to(tl.float32) - (f2 * sin).to(dtype).to(tl.float32)
+    out2 = (f2 * cos).to(dtype).to(tl.float32) + (f1 * sin).to(dtype).to(tl.float32)
+    tl.store(ptrs, out1.to(dtype), mask=mask)
+    tl.store(ptrs + HALF, out2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _kernel(
+    positions_ptr, q_ptr, k_ptr, cache_ptr, q_norm_ptr, k_norm_ptr, eps,
+    num_q_heads, num_kv_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
+    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + t)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask_d = offs_d < HALF
+    cos = tl.load(cache_ptr + pos * stride_cache + offs_d, mask=mask_d, other=0.0)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + offs_d, mask=mask_d, other=0.0)
+    cos = cos.to(tl.float32)[None, :]
+    sin = sin.to(tl.float32)[None, :]
+    if HAS_NORM:  # a static branch: without norm no weight is loaded
+        qw1 = tl.load(q_norm_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+        qw2 = tl.load(q_norm_ptr + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+        kw1 = tl.load(k_norm_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+        kw2 = tl.load(k_norm_ptr + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    else:
+        qw1 = 1.0
+        qw2 = 1.0
+        kw1 = 1.0
+        kw2 = 1.0
+    _rope_heads(
+        q_ptr + t * stride_qt, stride_qh, num_q_heads, cos, sin, qw1, qw2, eps,
+        HALF, BLOCK_HQ, BLOCK_HALF, HAS_NORM,
+    )  # fmt: skip
+    _rope_heads(
+        k_ptr + t * stride_kt, stride_kh, num_kv_heads, cos, sin, kw1, kw2, eps,
+        HALF, BLOCK_HKV, BLOCK_HALF, HAS_NORM,
+    )  # fmt: skip
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place on q [T, Hq, D] and k [T, Hkv, D] (D contiguous; strided rows welcome, e.g.
+    views of a packed qkv): optional per-head RMSNorm (Qwen3), then RoPE at positions [T]
+    (int64) from cos_sin_cache [max_pos, D]. Returns (q, k)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert k.shape == (num_tokens, num_kv_heads, head_dim) and head_dim % 2 == 0
+    assert q.stride(2) == 1 and k.stride(2) == 1, "head_dim must be contiguous"
+    assert q.dtype == k.dtype == cos_sin_cache.dtype, "q, k and the cos/sin cache share a dtype"
+    assert cos_sin_cache.shape[1] == head_dim and cos_sin_cache.stride(1) == 1
+    assert positions.dtype == torch.int64 and positions.shape == (num_tokens,)
+    assert positions.is_contiguous()
+    has_norm = q_norm_weight is not None
+    assert has_norm == (k_norm_weight is not None), "q and k norms come together"
+    if has_norm:
+        for w in (q_norm_weight, k_norm_weight):
+            assert w.shape == (head_dim,) and w.dtype == q.dtype and w.is_contiguous()
+    if num_tokens == 0:
+        return q, k
+    half = head_dim // 2
+    _kernel[(num_tokens,)](
+        positions, q, k, cos_sin_cache,
+        q_norm_weight if has_norm else q, k_norm_weight if has_norm else k, eps,
+        num_q_heads, num_kv_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        cos_sin_cache.stride(0),
+        HALF=half, BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+        BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, num_warps=4,
+    )  # fmt: skip
+    return q, k
