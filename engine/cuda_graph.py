@@ -72,9 +72,11 @@ class DecodeGraphs:
         )
 
     def _forward(self, bs: int) -> torch.Tensor:
-        return self.model(
+        """Logits of every row: the LM head is part of the graph."""
+        hidden = self.model(
             self.input_ids[:bs], self.positions[:bs], self.kv_cache, self._meta(bs), self.backend
         )
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self, sizes: list[int]) -> None:
@@ -108,7 +110,7 @@ class DecodeGraphs:
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
     ) -> torch.Tensor:
-        """Inputs are device tensors of the n real rows; returns hidden states [n, hidden]."""
+        """Inputs are device tensors of the n real rows; returns fp32 logits [n, vocab]."""
         n = input_ids.shape[0]
         bs = self.graph_size(n)
         assert bs is not None

@@ -119,7 +119,9 @@ class KVEventSource:
         load = self.latest_load = self._load()
         with self._lock:
             subs = list(self._subs)
-        is_due = bool(events) or load != self._last_load or now - self._last_sent >= self.keepalive_s
+        is_due = (
+            bool(events) or load != self._last_load or now - self._last_sent >= self.keepalive_s
+        )
         if is_due:
             self._last_load, self._last_sent = load, now
         for sub in subs:

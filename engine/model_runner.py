@@ -215,17 +215,36 @@ class ModelRunner:
             seq_lens.append(end)
             tables.append(block_ids[: cdiv(end, self.block_size)])
         width = max(len(t) for t in tables)
-        to_dev = self._to_device
-        ids_t, pos_t = to_dev(input_ids, torch.int64), to_dev(positions, torch.int64)
-        slots_t, lens_t = to_dev(slots, torch.int64), to_dev(seq_lens, torch.int32)
-        tables_t = to_dev([t + [0] * (width - len(t)) for t in tables], torch.int32)
+        n_tok, n_seq = len(input_ids), len(seq_lens)
+        # One host buffer, one copy: [ids | positions | slots | seq_lens | qsl | tables].
+        host = torch.tensor(
+            input_ids
+            + positions
+            + slots
+            + seq_lens
+            + qsl
+            + [b for t in tables for b in t + [0] * (width - len(t))],
+            dtype=torch.int64,
+        )
+        dev = (
+            host
+            if self.device.type == "cpu"
+            else host.pin_memory().to(self.device, non_blocking=True)
+        )
+        ids_t, pos_t, slots_t = dev[:n_tok], dev[n_tok : 2 * n_tok], dev[2 * n_tok : 3 * n_tok]
+        o = 3 * n_tok
+        lens_t = dev[o : o + n_seq].to(torch.int32)
+        qsl_t = dev[o + n_seq : o + 2 * n_seq + 1].to(torch.int32)
+        tables_t = dev[o + 2 * n_seq + 1 :].view(n_seq, width).to(torch.int32)
         max_query_len = max(s.num_new_tokens for s in sched.scheduled)
-        if max_query_len == 1 and self.graphs and self.graphs.graph_size(len(seq_lens)):
-            hidden = self.graphs.run(ids_t, pos_t, slots_t, lens_t, tables_t)
+        logits = None
+        if max_query_len == 1 and self.graphs and self.graphs.graph_size(n_seq):
+            logits = self.graphs.run(ids_t, pos_t, slots_t, lens_t, tables_t)
+            hidden = None
         else:
             meta = AttentionMetadata(
                 slot_mapping=slots_t,
-                query_start_loc=to_dev(qsl, torch.int32),
+                query_start_loc=qsl_t,
                 seq_lens=lens_t,
                 block_tables=tables_t,
                 query_start_loc_cpu=qsl,
@@ -236,25 +255,24 @@ class ModelRunner:
             )
             hidden = self._forward(ids_t, pos_t, meta)
         out = ModelRunnerOutput()
-        self._prompt_logprobs(sched, hidden, qsl, out)
-        self._sample(sched, hidden, qsl, out)
+        if hidden is not None:
+            self._prompt_logprobs(sched, hidden, qsl, out)
+        self._sample(sched, hidden, qsl, out, logits)
         return out
-
-    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _forward(self, input_ids, positions, meta) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_cache, meta, self.attn_backend)
 
-    def _sample(self, sched, hidden, qsl, out: ModelRunnerOutput) -> None:
+    def _sample(self, sched, hidden, qsl, out: ModelRunnerOutput, logits=None) -> None:
+        """`logits`: already computed for every row (decode graphs), else from `hidden`."""
         rows = [i for i, s in enumerate(sched.scheduled) if s.reaches_end]
         if not rows:
             return
         reqs = [sched.scheduled[i].request for i in rows]
-        logits = self.model.compute_logits(hidden[[qsl[i + 1] - 1 for i in rows]])
+        if logits is not None:
+            logits = logits if len(rows) == logits.shape[0] else logits[rows]
+        else:
+            logits = self.model.compute_logits(hidden[[qsl[i + 1] - 1 for i in rows]])
         batch = SamplingBatch(
             params=[r.sampling_params for r in reqs],
             generators=[r.generator for r in reqs],

@@ -67,6 +67,7 @@ class InstanceRecord:
     block_size: int
     epoch: str
     kv_bytes_per_block: int
+    max_num_batched_tokens: int = 0
     load: dict[str, Any] = field(default_factory=dict)  # LoadSnapshot's fields
     published_at: float = 0.0  # wall clock, seconds
 
@@ -121,7 +122,14 @@ class RedisPublisher:
         import redis  # only services started with --redis-url need the client
 
         self._redis = redis
-        self.client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=1.0)
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # No client-side retries (the default is 10 with backoff): the loop below retries, and
+        # knows that a failed write means a reset is due.
+        self.client = redis.Redis.from_url(
+            url, socket_timeout=2.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0)
+        )
         self.source = source
         self.record = record
         self.heartbeat_s = heartbeat_s

@@ -71,6 +71,12 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, logits.shape
+        if all(
+            _is_plain_greedy(p, len(out)) for p, out in zip(batch.params, batch.output_token_ids)
+        ):
+            # The common serving case: one argmax kernel, no fp32 copy of the logits.
+            ids = logits.argmax(dim=-1).tolist()
+            return SamplerOutput(ids, [None] * batch.num_rows)
         # Copy even when already fp32: min_tokens masks in place and the caller keeps its logits.
         logits = logits.to(torch.float32, copy=True)
         num_logprobs = [p.logprobs for p in batch.params]
@@ -92,6 +98,17 @@ class Sampler:
         if raw_logprobs is None:
             return SamplerOutput(token_id_list, [None] * batch.num_rows)
         return SamplerOutput(token_id_list, _gather_logprobs(raw_logprobs, token_ids, num_logprobs))
+
+
+def _is_plain_greedy(p: SamplingParams, num_output_tokens: int) -> bool:
+    return (
+        p.temperature < SAMPLING_EPS
+        and p.logprobs is None
+        and p.repetition_penalty == 1.0
+        and p.frequency_penalty == 0.0
+        and p.presence_penalty == 0.0
+        and num_output_tokens >= p.min_tokens
+    )
 
 
 def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

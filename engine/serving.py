@@ -175,6 +175,7 @@ class KVPublishing:
         self.epoch = new_epoch()
         self.block_size = core.config.cache.block_size
         self.kv_bytes_per_block = core.config.model.kv_bytes_per_token() * self.block_size
+        self.max_num_batched_tokens = core.config.scheduler.max_num_batched_tokens
         self.source = KVEventSource(core, measure_prefill=role == "prefill")
         engine.hooks.append(self.source.poll)
         self.publisher: RedisPublisher | None = None
@@ -185,6 +186,7 @@ class KVPublishing:
         return dict(
             epoch=self.epoch,
             kv_bytes_per_block=self.kv_bytes_per_block,
+            max_num_batched_tokens=self.max_num_batched_tokens,
             num_pending_prefill_tokens=load.num_pending_prefill_tokens if load else 0,
             prefill_tokens_per_s=load.prefill_tokens_per_s if load else 0.0,
         )
@@ -200,6 +202,7 @@ class KVPublishing:
             self.block_size,
             self.epoch,
             self.kv_bytes_per_block,
+            self.max_num_batched_tokens,
         )
         self.publisher = RedisPublisher(url, self.source, record, heartbeat_s)
         self.publisher.start()
@@ -255,6 +258,7 @@ class KVPublishing:
             epoch=self.epoch,
             block_size=self.block_size,
             kv_bytes_per_block=self.kv_bytes_per_block,
+            max_num_batched_tokens=self.max_num_batched_tokens,
             **asdict(load),
         )
 

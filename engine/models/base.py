@@ -30,6 +30,7 @@ _PACKED = {
 
 class DecoderForCausalLM(nn.Module):
     qk_norm: bool = False  # Qwen3 normalizes q and k per head before RoPE
+    use_fused_kernels: bool = True  # on CUDA; False runs the torch reference path there too
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
@@ -56,7 +57,7 @@ class DecoderForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        if x.is_cuda:
+        if x.is_cuda and self.use_fused_kernels:
             return self._forward_fused(x, positions, kv_cache, meta, backend)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):

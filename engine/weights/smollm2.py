@@ -227,8 +227,11 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path, max_len: int) -> None:
         ]
     )
     tokenizer.model_max_length = max_len
-    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2, tokenizer.eos_token
-    assert tokenizer.bos_token_id == 1, tokenizer.bos_token
+    # The instruct model ends its turns with <|im_end|> (the hub repo's eos); older
+    # transformers releases read the GGUF's eos as <|im_start|>, so set the hub's specials.
+    tokenizer.eos_token, tokenizer.bos_token = "<|im_end|>", "<|im_start|>"
+    tokenizer.pad_token = "<|im_end|>"
+    assert tokenizer.eos_token_id == 2 and tokenizer.bos_token_id == 1, tokenizer
     tokenizer.save_pretrained(out_dir, save_jinja_files=False)
     path = out_dir / "tokenizer_config.json"
     data = json.loads(path.read_text())
