@@ -47,14 +47,22 @@ FLAGS = [
 ]
 
 
-async def measure(p_addr: str, d_addr: str, n: int) -> dict:
+async def tokens_equal(p_addr: str, d_addr: str) -> list[bool]:
+    """Remote vs local prefill on the same D (prefix caching off, so the local run computes
+    the whole prompt itself); fp32 tiny model: margins large enough for exact equality."""
     stub = decode_stub(d_addr)
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     same = []
-    for i, prompt in enumerate(random_prompts(4, 300, 10)):
+    for i, prompt in enumerate(random_prompts(6, 120, 10, vocab=2000)):
         remote = await collect(stub, generate_request(f"eq-r{i}", prompt, greedy, [p_addr]))
         local = await collect(stub, generate_request(f"eq-l{i}", prompt, greedy))
-        same.append(remote[0] == local[0])
+        same.append(remote[0] == local[0] and len(remote[0]) == 32)
+    return same
+
+
+async def measure(p_addr: str, d_addr: str, n: int) -> dict:
+    stub = decode_stub(d_addr)
+    same: list[bool] = []
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     ttft = {"remote": [], "local": []}
     prompts = random_prompts(2 * n + 2, 2048, 11)
@@ -92,12 +100,31 @@ def main() -> None:
         for f in tiny.glob("tokenizer*"):  # services read eos ids from a tokenizer
             shutil.copy(f, model / f.name)
         cluster = Cluster(log_prefix=False)
+        tiny_flags = [
+            "--device",
+            "cuda",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "256",
+            "--num-gpu-blocks-override",
+            "128",
+            "--no-enable-prefix-caching",
+        ]
+        try:
+            p = cluster.start("prefill", [str(tiny), *tiny_flags])
+            d = cluster.start("decode", [str(tiny), *tiny_flags])
+            same = asyncio.run(tokens_equal(p.address, d.address))
+        finally:
+            cluster.stop()
+        cluster = Cluster(log_prefix=False)
         try:
             p = cluster.start("prefill", [str(model), *FLAGS])
             d = cluster.start("decode", [str(model), *FLAGS])
             res = asyncio.run(measure(p.address, d.address, args.num))
         finally:
             cluster.stop()
+        res["tokens_equal"] = same
     print(res)
     if args.out_dir:
         write_result(

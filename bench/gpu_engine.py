@@ -107,9 +107,9 @@ def step_times(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[flo
     return times[0], times[1:]
 
 
-def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+def random_prompts(n: int, length: int, seed: int = 0, vocab: int = 150000) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(100, 150000, (n, length), generator=g).tolist()
+    return torch.randint(100, vocab, (n, length), generator=g).tolist()
 
 
 def weight_bytes(llm: LLM) -> int:

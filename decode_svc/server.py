@@ -28,9 +28,11 @@ from decode_svc.receiver import KVReceiver, TransferState
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.engine_core import EngineCore
 from engine.kv_cache_manager import cdiv
+from engine.registry import add_registry_args
 from engine.request import Request, RequestStatus
 from engine.scheduler import SchedulerFullError
 from engine.serving import (
+    KVPublishing,
     add_engine_args,
     check_prompt,
     engine_config_from_args,
@@ -65,8 +67,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         instance_id: str,
         eos_ids: set[int],
         args: argparse.Namespace,
+        kv: KVPublishing,
     ):
         self.engine = engine
+        self.kv = kv
         self.core: EngineCore = engine.core
         self.agent = agent
         self.agent_metadata = agent.get_agent_metadata()
@@ -273,7 +277,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return common_pb2.AbortResponse(found=found)
 
     async def GetLoad(self, request, context):
-        return load_response(self.core, self.instance_id, self.agent.backend_name, **self.counters)
+        return load_response(
+            self.core,
+            self.instance_id,
+            self.agent.backend_name,
+            **self.counters,
+            **self.kv.load_fields(),
+        )
+
+    async def WatchKVEvents(self, request, context):
+        async for batch in self.kv.stream():
+            yield batch
 
 
 def _describe(e: BaseException) -> str:
@@ -291,11 +305,16 @@ async def serve(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
     eos = get_eos_token_ids(tokenizer, config.model.generation_config)
     server = grpc.aio.server()
-    servicer = DecodeServicer(engine, agent, instance_id, eos, args)
+    kv = KVPublishing(engine, "decode", instance_id, args.model)
+    servicer = DecodeServicer(engine, agent, instance_id, eos, args, kv)
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
     health_task = await serve_health(server, SERVICE_NAME, engine)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     await server.start()
+    if args.redis_url:
+        await kv.start_redis(
+            args.redis_url, args.advertise_address or f"{args.host}:{port}", args.heartbeat_s
+        )
     logger.info(
         "Decode %s serving on %s:%d (kv backend %s)", instance_id, args.host, port, args.kv_backend
     )
@@ -304,6 +323,7 @@ async def serve(args: argparse.Namespace) -> None:
         await server.wait_for_termination()
     finally:
         health_task.cancel()
+        kv.stop()
         engine.shutdown()
 
 
@@ -319,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--instance-id", default=None)
+    add_registry_args(parser)
     parser.add_argument("--kv-backend", default="ucx", choices=["ucx", "inproc"])
     parser.add_argument("--prefill-timeout-s", type=float, default=60.0)
     parser.add_argument(

@@ -4,7 +4,15 @@ Module map:
   __main__     `main(argv)`: flags → settings → uvicorn (`tandem gateway`, `python -m gateway`)
   config       GatewaySettings (pydantic-settings; flags and TANDEM_GATEWAY_* variables)
   app          create_app: state, routes, error handlers, access log
-  deps         GatewayState and the `GatewayDep` dependency
+  deps         GatewayState and the `GatewayDep` / `PrincipalDep` dependencies
+  edge         Edge: keys + metrics + quotas, their middlewares and lifecycle
+  allowlist    EdgeMiddleware: path allowlist (deny by default), body size, Bearer auth
+  auth         API keys (env / key file) → Principal (tenant, trust group, limits); sha256 only
+  quota        quota contract (sliding-window log, slots) + the in-memory backend
+  quota_redis  the same semantics in Redis, one Lua script per step
+  quota_service  reserve / release per request; Redis ↔ memory failover (degraded)
+  accounting   per request: reserve, settle with actual usage, vLLM metrics, on every exit
+  metrics      Prometheus registry (vLLM names + tandem:*) on an internal port
   model_info   tokenizer, max_model_len, generation_config of the served model
   protocol     OpenAI request bodies (+ vLLM extra fields)
   preprocess   tokenize, validate (vLLM messages), SamplingParams, one ChildJob per sample
@@ -15,7 +23,7 @@ Module map:
   serving      SSE framing, collecting choices, usage, client disconnects
   logprobs     chat / completions logprobs shapes
   errors       OpenAI-shaped errors and the FastAPI handlers
-  access_log   one log line per request (method, path, status, latency)
+  access_log   one log line per request (method, allowlisted path, status, latency, tenant)
   routes/      chat, completions, models (+ version), health
 """
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 from collections.abc import Sequence
 
@@ -15,7 +16,8 @@ from gateway.config import GatewaySettings
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="tandem gateway", description=__doc__)
+    # No abbreviations: `--api-keys KEY` must not be taken for `--api-keys-file`.
+    p = argparse.ArgumentParser(prog="tandem gateway", description=__doc__, allow_abbrev=False)
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--model", help="model folder or hub id (tokenizer and configs are read)")
@@ -23,13 +25,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, help="default: the model's context length")
     p.add_argument("--decode", help="decode instances, host:port,...")
     p.add_argument("--prefill", help="prefill instances, host:port,... (none: local prefill)")
+    p.add_argument("--redis-url", help="quotas, registry, index (default: $TANDEM_REDIS_URL)")
+    p.add_argument("--metrics-port", type=int, help="Prometheus port (default off; 0: any)")
+    p.add_argument("--metrics-host", help="Prometheus bind address (default 127.0.0.1)")
+    # Keys themselves are never flags (argv is visible to every user): TANDEM_API_KEYS.
+    p.add_argument("--api-keys-file", help="key file (default: $TANDEM_API_KEYS_FILE)")
+    p.add_argument("--router", choices=["kv", "round_robin"], help="routing policy (default kv)")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     """Flags given on the command line win; the rest come from TANDEM_GATEWAY_* or defaults."""
-    names = ("host", "port", "model", "served_model_name", "max_model_len", "decode", "prefill")
+    names = (
+        *("host", "port", "model", "served_model_name", "max_model_len", "decode", "prefill"),
+        *("redis_url", "metrics_port", "metrics_host", "api_keys_file"),
+        "router",
+    )
     explicit = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     if "served_model_name" in explicit:  # `--served-model-name a b` or `a,b`
         explicit["served_model_name"] = ",".join(explicit["served_model_name"])
@@ -45,7 +57,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         settings = settings_from_args(args)
     except ValidationError as e:
         raise SystemExit(f"tandem gateway: invalid settings:\n{e}") from None
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except ValueError as e:  # key file errors name lines, never keys
+        raise SystemExit(f"tandem gateway: {e}") from None
+    # Everything loaded so far (transformers, the tokenizer, ...) lives as long as the process:
+    # move it out of the cyclic GC's reach, so full collections stop scanning ~10^6 objects
+    # (pauses that showed up as p99 latency).
+    gc.collect()
+    gc.freeze()
     # uvicorn's access log would duplicate ours (and log query strings).
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, access_log=False, log_level=args.log_level

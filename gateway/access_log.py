@@ -1,4 +1,6 @@
-"""One line per request: method, path, status, latency. Never bodies or headers (keys, prompts).
+"""One line per request: method, path, status, latency, tenant. Never bodies, headers (keys,
+prompts) or query strings. Paths outside the allowlist are not logged either: a client that
+puts a key in a URL by mistake (`/v1/sk-...`) gets a 404 and the log gets `<not allowed>`.
 
 A pure ASGI middleware rather than `BaseHTTPMiddleware`: the latter buffers differently around
 streaming responses and interferes with disconnect-driven cancellation. Latency runs to the
@@ -11,6 +13,8 @@ import logging
 import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.allowlist import is_allowed_path
 
 logger = logging.getLogger("gateway.access")
 
@@ -36,4 +40,9 @@ class AccessLogMiddleware:
             await self.app(scope, receive, send_wrapper)
         finally:
             latency_ms = (time.perf_counter() - start) * 1000
-            logger.info("%s %s %d %.1fms", scope["method"], scope["path"], status, latency_ms)
+            path = scope["path"] if is_allowed_path(scope["path"]) else "<not allowed>"
+            principal = scope.get("state", {}).get("principal")
+            tenant = principal.tenant if principal is not None else "-"
+            logger.info(
+                "%s %s %d %.1fms tenant=%s", scope["method"], path, status, latency_ms, tenant
+            )

@@ -14,12 +14,14 @@ from gateway.clients import DecodeClients
 from gateway.config import GatewaySettings
 from gateway.deps import GatewayState
 from gateway.dispatch import Dispatcher
+from gateway.edge import Edge
 from gateway.errors import install_handlers
 from gateway.logprobs import TokenTexts
 from gateway.model_info import ModelInfo, load_model_info
-from gateway.registry import InstanceRegistry, StaticRegistry
-from gateway.router import RoundRobinRouter, Router
+from gateway.registry import InstanceRegistry
+from gateway.router import Router
 from gateway.routes import chat, completions, health, models
+from gateway.routing import build_registry, build_router
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +35,8 @@ def build_state(
 ) -> GatewayState:
     """Defaults come from settings; tests and later policies inject their own pieces."""
     model = model or load_model_info(settings)
-    registry = registry or StaticRegistry(settings.decode, settings.prefill)
-    if not registry.decodes():
-        logger.warning("no decode instances configured: every request will get a 503")
-    router = router or RoundRobinRouter(registry, cooldown_s=settings.unhealthy_cooldown_s)
+    registry = registry or build_registry(settings)
+    router = router or build_router(settings, registry)
     clients = DecodeClients()
     return GatewayState(
         settings=settings,
@@ -46,6 +46,7 @@ def build_state(
         clients=clients,
         dispatcher=Dispatcher(router, clients, model.tokenizer),
         token_texts=TokenTexts(model.tokenizer),
+        edge=Edge.from_settings(settings, model.name),
     )
 
 
@@ -54,7 +55,13 @@ def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> 
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await state.edge.start()
+        await state.registry.start()  # routing: registry refresh, index feeds
+        await state.router.start()
         yield
+        await state.router.close()
+        await state.registry.close()
+        await state.edge.close()
         await state.clients.close()
 
     # No docs/openapi routes: the public port serves the API and nothing else.
@@ -70,5 +77,6 @@ def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> 
     for module in (chat, completions, models, health):
         app.include_router(module.router)
     install_handlers(app)
+    state.edge.install(app)  # allowlist, auth, CORS: inside the access log
     app.add_middleware(AccessLogMiddleware)
     return app

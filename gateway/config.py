@@ -7,9 +7,10 @@ the environment, then to the defaults below.
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -21,7 +22,9 @@ def _split_addresses(value: object) -> object:
 
 
 class GatewaySettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TANDEM_GATEWAY_", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="TANDEM_GATEWAY_", frozen=True, populate_by_name=True
+    )
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -46,7 +49,45 @@ class GatewaySettings(BaseSettings):
     # vLLM's default max_logprobs.
     max_logprobs: int = Field(20, ge=0)
 
-    @field_validator("served_model_name", "decode", "prefill", mode="before")
+    # Routing. With `redis_url` (below) instances are discovered in Redis and the block index
+    # lives there; without it, the --decode/--prefill lists and an embedded index.
+    # "kv": KV-aware (P, D) selection (gateway/kv_router.py); "round_robin": the first cut.
+    router: Literal["kv", "round_robin"] = "kv"
+    # How often the Redis registry is re-read (new and dead instances show up this fast).
+    registry_refresh_s: float = Field(0.25, gt=0)
+
+    # --- The edge: auth, allowlist, quotas, metrics (gateway.auth, .allowlist, .quota, .metrics).
+    # Shared state (quotas; the instance registry and block index use it too). Not prefixed:
+    # every Tandem process reads the same TANDEM_REDIS_URL.
+    redis_url: str | None = Field(None, validation_alias="TANDEM_REDIS_URL")
+    # API keys come from the environment or a mounted file, never from argv (visible in `ps`).
+    # `key` or `key:tenant`, comma-separated; SecretStr keeps them out of reprs and errors.
+    api_keys: SecretStr | None = Field(None, validation_alias="TANDEM_API_KEYS")
+    # One `key[:tenant[:limits-json]]` per line, `#` comments (see gateway.auth).
+    api_keys_file: Path | None = Field(None, validation_alias="TANDEM_API_KEYS_FILE")
+    public_health: bool = True
+    public_models: bool = True
+    # CORS is closed unless origins are listed (browsers then get no Access-Control headers).
+    cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Bodies above this are refused with 413 before they are parsed.
+    max_request_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    # Prometheus on its own port (None: off; 0: any free port); never on the public port.
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
+    # Per-key limits for keys whose line does not set them; 0 means unlimited.
+    default_requests_per_min: int = Field(0, ge=0)
+    default_tokens_per_min: int = Field(0, ge=0)
+    default_max_concurrent: int = Field(0, ge=0)
+    default_max_tokens: int = Field(0, ge=0)  # cap on a request's max_tokens (0: max_model_len)
+    default_max_n: int = Field(128, ge=1)  # OpenAI's cap; each sample is a child job
+    # A concurrency slot in Redis expires unless renewed (a crashed gateway cannot leak slots).
+    concurrency_lease_s: float = Field(30.0, gt=0)
+    # Redis calls slower than this count as "Redis down" (fall back to in-memory quotas).
+    redis_timeout_s: float = Field(0.5, gt=0)
+    # While degraded, how often to check whether Redis is back.
+    redis_probe_interval_s: float = Field(1.0, gt=0)
+
+    @field_validator("served_model_name", "decode", "prefill", "cors_origins", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:
         return _split_addresses(value)

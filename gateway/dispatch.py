@@ -170,7 +170,8 @@ class Dispatcher:
         self, job: ChildJob, processor: OutputProcessor, opts: RequestOptions
     ) -> ChildStream:
         child_id = f"{job.index}_{opts.request_id}"
-        routes = self.router.plan(job.prompt_token_ids)
+        # The salt is part of the block hashes: the router must look up what D will hash.
+        routes = await self.router.plan(job.prompt_token_ids, opts.cache_salt or None)
         num_refused = 0
         for route in routes:
             request = decode_pb2.GenerateRequest(

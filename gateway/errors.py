@@ -20,8 +20,11 @@ logger = logging.getLogger(__name__)
 
 _TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -35,12 +38,14 @@ class APIError(Exception):
         *,
         param: str | None = None,
         retry_after_s: int | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.message = message
         self.status_code = status_code
         self.param = param
         self.retry_after_s = retry_after_s
+        self.headers = headers or {}
 
     @property
     def type(self) -> str:
@@ -57,9 +62,9 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        headers = None
+        headers = dict(self.headers)
         if self.retry_after_s is not None:
-            headers = {"Retry-After": str(self.retry_after_s)}
+            headers["Retry-After"] = str(self.retry_after_s)
         return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
 
 
@@ -92,7 +97,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(str(exc.detail), exc.status_code).response()
+        return APIError(str(exc.detail), exc.status_code, headers=exc.headers).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
+from gateway.auth import Principal, TenantLimits
 from gateway.errors import bad_request, model_not_found
 from gateway.model_info import ModelInfo
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -29,6 +30,37 @@ class ChildJob:
 def check_model(info: ModelInfo, model: str | None) -> None:
     if not info.is_served(model):
         raise model_not_found(model)
+
+
+def check_caps(limits: TenantLimits, req: SamplingFields, num_prompts: int = 1) -> None:
+    """The key's caps, before any work: `max_n` bounds the choices of one response (n times
+    the prompts, as each choice is an engine request), `max_tokens` the requested length."""
+    if req.n * num_prompts > limits.max_n:
+        what = f"n ({req.n})" if num_prompts == 1 else f"n * prompts ({req.n} * {num_prompts})"
+        raise bad_request(f"{what} is above this key's limit of {limits.max_n} choices.", "n")
+    requested = req.requested_max_tokens()
+    if limits.max_tokens and requested is not None and requested > limits.max_tokens:
+        raise bad_request(
+            f"'max_tokens' is {requested}, above this key's limit of {limits.max_tokens}.",
+            "max_tokens",
+        )
+
+
+def resolve_cache_salt(principal: Principal, req: SamplingFields) -> str:
+    """The prefix-cache salt: the tenant's (or its trust group's), never the client's choice.
+
+    With auth off there are no tenants, and a client's `cache_salt` keeps vLLM's meaning.
+    With auth on, a client value is refused rather than silently dropped: a client that
+    relies on it for isolation between its own users must learn that it does not get it.
+    """
+    if principal.is_anonymous:
+        return req.cache_salt or ""
+    if req.cache_salt is not None:
+        raise bad_request(
+            "cache_salt is set by the gateway for each tenant and cannot be chosen by clients.",
+            "cache_salt",
+        )
+    return principal.cache_salt
 
 
 def tokenize_chat(info: ModelInfo, req: ChatCompletionRequest) -> list[int]:
@@ -128,10 +160,14 @@ def make_jobs(
     prompts: Sequence[list[int]],
     num_logprobs: int | None,
     max_logprobs: int,
+    max_tokens_cap: int = 0,
 ) -> list[ChildJob]:
+    """`max_tokens_cap` (0: none) also bounds the default when the client gives no max_tokens."""
     jobs = []
     for p, ids in enumerate(prompts):
         max_tokens = resolve_max_tokens(info, len(ids), req.requested_max_tokens())
+        if max_tokens_cap and max_tokens is not None:
+            max_tokens = min(max_tokens, max_tokens_cap)
         params = build_params(info, req, max_tokens, num_logprobs, max_logprobs)
         for i in range(params.n):
             jobs.append(ChildJob(p * params.n + i, ids, params.child_params(i)))

@@ -2,8 +2,9 @@
 
 The gateway asks the router for an ordered plan, tries the decodes in that order until one
 admits the request, and reports every attempt's outcome back. Health lives in the router, not
-in the request path, so a smarter policy (KV-aware, load-aware, cost-model local prefill) can
-replace `RoundRobinRouter` without touching anything else.
+in the request path, so a smarter policy (`KVRouter` in gateway/kv_router.py: KV-aware,
+load-aware, cost-model local prefill) replaces `RoundRobinRouter` without touching anything
+else.
 """
 
 from __future__ import annotations
@@ -36,42 +37,44 @@ class Router(ABC):
     """Routing policy.
 
     Contract:
-    - `plan(prompt_token_ids)` returns the routes to try for one request (one n>1 child), best
-      first, each with a different decode. The gateway stops at the first decode that admits the
-      request; an empty plan means "nothing routable" and becomes a 503.
+    - `plan(prompt_token_ids, cache_salt)` returns the routes to try for one request (one n>1
+      child), best first, each with a different decode. The gateway stops at the first decode
+      that admits the request; an empty plan means "nothing routable" and becomes a 503.
     - Each route's `prefills` is the list D should try, in order; empty = local prefill.
     - `report(instance, outcome)` is called for every attempt and health probe, for decodes (and
       for prefills once the gateway learns about their health); a router may ignore it.
-    - Both run on the event loop per request: cheap, non-blocking, no I/O.
+    - Both run on the event loop per request. `report` does no I/O; `plan` may do at most one
+      bounded round trip (an index lookup) and must still answer when that fails.
+    - `start()` / `close()` bracket the gateway's lifetime (background work, connections).
     """
 
     @abstractmethod
-    def plan(self, prompt_token_ids: Sequence[int]) -> list[Route]: ...
+    async def plan(
+        self, prompt_token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> list[Route]: ...
 
     @abstractmethod
     def report(self, instance: Instance, outcome: Outcome) -> None: ...
 
+    async def start(self) -> None:
+        return None  # stateless by default
 
-class RoundRobinRouter(Router):
-    """Rotate over healthy decodes and healthy prefills; skip instances in an UNAVAILABLE cooldown.
+    async def close(self) -> None:
+        return None
+
+
+class HealthMarks:
+    """Instances in an UNAVAILABLE cooldown, shared by the routers.
 
     Why a cooldown rather than removal: a static instance list has no other signal that an
     instance came back, so after `cooldown_s` the instance is tried again (and a successful
     `/health` probe clears the mark early).
     """
 
-    def __init__(
-        self,
-        registry: InstanceRegistry,
-        cooldown_s: float = 5.0,
-        clock: Callable[[], float] = time.monotonic,
-    ):
-        self.registry = registry
+    def __init__(self, cooldown_s: float, clock: Callable[[], float] = time.monotonic):
         self.cooldown_s = cooldown_s
         self._clock = clock
         self._unhealthy_until: dict[str, float] = {}  # instance_id -> clock time
-        self._decode_turn = itertools.count()
-        self._prefill_turn = itertools.count()
 
     def is_healthy(self, instance: Instance) -> bool:
         until = self._unhealthy_until.get(instance.instance_id)
@@ -82,7 +85,32 @@ class RoundRobinRouter(Router):
             return True
         return False
 
-    def plan(self, prompt_token_ids: Sequence[int]) -> list[Route]:
+    def report(self, instance: Instance, outcome: Outcome) -> None:
+        if outcome is Outcome.UNAVAILABLE:
+            self._unhealthy_until[instance.instance_id] = self._clock() + self.cooldown_s
+        else:  # OK and REFUSED both prove the instance is up
+            self._unhealthy_until.pop(instance.instance_id, None)
+
+
+class RoundRobinRouter(Router):
+    """Rotate over healthy decodes and healthy prefills; skip instances in an UNAVAILABLE
+    cooldown (`HealthMarks`)."""
+
+    def __init__(
+        self,
+        registry: InstanceRegistry,
+        cooldown_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.registry = registry
+        self.health = HealthMarks(cooldown_s, clock)
+        self.is_healthy = self.health.is_healthy
+        self._decode_turn = itertools.count()
+        self._prefill_turn = itertools.count()
+
+    async def plan(
+        self, prompt_token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> list[Route]:
         decodes = _rotate(
             [d for d in self.registry.decodes() if self.is_healthy(d)], next(self._decode_turn)
         )
@@ -95,10 +123,7 @@ class RoundRobinRouter(Router):
         return [Route(d, prefills) for d in decodes]
 
     def report(self, instance: Instance, outcome: Outcome) -> None:
-        if outcome is Outcome.UNAVAILABLE:
-            self._unhealthy_until[instance.instance_id] = self._clock() + self.cooldown_s
-        else:  # OK and REFUSED both prove the instance is up
-            self._unhealthy_until.pop(instance.instance_id, None)
+        self.health.report(instance, outcome)
 
 
 def _rotate(items: list[Instance], turn: int) -> list[Instance]:

@@ -5,8 +5,8 @@ Runs on the engine thread (an `AsyncEngine` hook), which owns the transfer agent
 Per transfer: `PREFILLING` → (all blocks written and flushed, notification sent) `WRITTEN`, or
 `FAILED` (peer error, lease expired, request aborted). Every block the prefill has computed is
 written as soon as its chunk finishes, so the transfer overlaps the rest of the prompt's
-compute. The last block goes alone, after every earlier write completed, carrying the
-notification `transfer_id:token`, so D sees the notification only after all of the KV.
+compute. The final write carries the notification `transfer_id:token`; the backend flushes the
+endpoint first, so D sees the notification only after all of the KV.
 Local blocks stay held (`hold_blocks`) until no WRITE reads them any more.
 """
 
@@ -104,16 +104,15 @@ class KVSender:
         computed = r.num_computed_tokens
         ready = cdiv(computed, bs) if computed >= r.num_prompt_tokens else computed // bs
         ready = min(ready, send.num_prompt_blocks)
-        last = send.num_prompt_blocks - 1
-        # Everything but the last block as soon as it is computed ...
-        self._write(send, min(ready, last), notif=None)
-        # ... and the last block once all earlier writes landed, with the notification.
-        if ready == send.num_prompt_blocks and all(h.poll() == "DONE" for h in send.handles):
-            if send.first_block + send.num_sent_blocks == last:
-                notif = f"{send.transfer_id}:{send.token}".encode()
-                self._write(send, last + 1, notif=notif)
-            elif all(h.poll() == "DONE" for h in send.handles):
-                send.state = SendState.WRITTEN
+        if ready < send.num_prompt_blocks:
+            self._write(send, ready, notif=None)  # every computed block, as its chunk finishes
+        elif send.first_block + send.num_sent_blocks < send.num_prompt_blocks:
+            # The rest, with the notification: the backend flushes the endpoint (all earlier
+            # WRITEs too) before sending it, so D sees it only after all of the KV.
+            notif = f"{send.transfer_id}:{send.token}".encode()
+            self._write(send, send.num_prompt_blocks, notif=notif)
+        elif all(h.poll() == "DONE" for h in send.handles):
+            send.state = SendState.WRITTEN
 
     def _write(self, send: KVSend, upto_block: int, notif: bytes | None) -> None:
         start = send.first_block + send.num_sent_blocks

@@ -24,9 +24,11 @@ import grpc
 from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore
 from engine.kv_cache_manager import cdiv
+from engine.registry import add_registry_args
 from engine.request import Request
 from engine.scheduler import SchedulerFullError
 from engine.serving import (
+    KVPublishing,
     add_engine_args,
     check_prompt,
     engine_config_from_args,
@@ -53,8 +55,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         eos_ids: set[int],
         lease_s: float,
         transfer_timeout_s: float,
+        kv: KVPublishing,
     ):
         self.engine = engine
+        self.kv = kv
         self.core: EngineCore = engine.core
         self.agent = agent
         self.instance_id = instance_id
@@ -165,7 +169,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.agent.backend_name,
             kv_transfer_bytes=self.sender.total_bytes,
             num_requests_total=self.num_requests,
+            **self.kv.load_fields(),
         )
+
+    async def WatchKVEvents(self, request, context):
+        async for batch in self.kv.stream():
+            yield batch
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -177,13 +186,18 @@ async def serve(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
     eos = get_eos_token_ids(tokenizer, config.model.generation_config)
     server = grpc.aio.server()
+    kv = KVPublishing(engine, "prefill", instance_id, args.model)
     servicer = PrefillServicer(
-        engine, agent, instance_id, eos, args.kv_lease_s, args.transfer_timeout_s
+        engine, agent, instance_id, eos, args.kv_lease_s, args.transfer_timeout_s, kv
     )
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
     health_task = await serve_health(server, SERVICE_NAME, engine)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     await server.start()
+    if args.redis_url:
+        await kv.start_redis(
+            args.redis_url, args.advertise_address or f"{args.host}:{port}", args.heartbeat_s
+        )
     logger.info(
         "Prefill %s serving on %s:%d (kv backend %s)", instance_id, args.host, port, args.kv_backend
     )
@@ -192,6 +206,7 @@ async def serve(args: argparse.Namespace) -> None:
         await server.wait_for_termination()
     finally:
         health_task.cancel()
+        kv.stop()
         engine.shutdown()
 
 
@@ -207,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--instance-id", default=None)
+    add_registry_args(parser)
     parser.add_argument("--kv-backend", default="ucx", choices=["ucx", "inproc"])
     parser.add_argument(
         "--kv-lease-s",

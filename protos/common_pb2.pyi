@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -124,7 +124,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("instance_id", "num_waiting", "num_running", "num_free_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfer_bytes", "kv_backend", "block_size", "max_model_len", "num_idle_free_blocks", "num_requests_total", "num_local_prefills", "num_remote_prefills")
+    __slots__ = ("instance_id", "num_waiting", "num_running", "num_free_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfer_bytes", "kv_backend", "block_size", "max_model_len", "num_idle_free_blocks", "num_requests_total", "num_local_prefills", "num_remote_prefills", "epoch", "num_pending_prefill_tokens", "prefill_tokens_per_s", "kv_bytes_per_block", "max_num_batched_tokens")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,11 @@ class LoadResponse(_message.Message):
     NUM_REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_LOCAL_PREFILLS_FIELD_NUMBER: _ClassVar[int]
     NUM_REMOTE_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     num_waiting: int
     num_running: int
@@ -157,4 +162,43 @@ class LoadResponse(_message.Message):
     num_requests_total: int
     num_local_prefills: int
     num_remote_prefills: int
-    def __init__(self, instance_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_backend: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_idle_free_blocks: _Optional[int] = ..., num_requests_total: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ...) -> None: ...
+    epoch: str
+    num_pending_prefill_tokens: int
+    prefill_tokens_per_s: float
+    kv_bytes_per_block: int
+    max_num_batched_tokens: int
+    def __init__(self, instance_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_backend: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_idle_free_blocks: _Optional[int] = ..., num_requests_total: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_remote_prefills: _Optional[int] = ..., epoch: _Optional[str] = ..., num_pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., kv_bytes_per_block: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("kind", "block_hashes")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STORED: _ClassVar[KVEvent.Kind]
+        REMOVED: _ClassVar[KVEvent.Kind]
+        CLEARED: _ClassVar[KVEvent.Kind]
+    STORED: KVEvent.Kind
+    REMOVED: KVEvent.Kind
+    CLEARED: KVEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    kind: KVEvent.Kind
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, kind: _Optional[_Union[KVEvent.Kind, str]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class WatchKVEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("instance_id", "epoch", "reset", "events", "load")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    epoch: str
+    reset: bool
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    load: LoadResponse
+    def __init__(self, instance_id: _Optional[str] = ..., epoch: _Optional[str] = ..., reset: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., load: _Optional[_Union[LoadResponse, _Mapping]] = ...) -> None: ...

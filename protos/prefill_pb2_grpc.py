@@ -50,6 +50,11 @@ class PrefillStub:
                 request_serializer=common__pb2.LoadRequest.SerializeToString,
                 response_deserializer=common__pb2.LoadResponse.FromString,
                 _registered_method=True)
+        self.WatchKVEvents = channel.unary_stream(
+                '/tandem.v1.Prefill/WatchKVEvents',
+                request_serializer=common__pb2.WatchKVEventsRequest.SerializeToString,
+                response_deserializer=common__pb2.KVEventBatch.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -73,6 +78,13 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchKVEvents(self, request, context):
+        """Cache events and load, pushed as they happen (the gateway's embedded block index).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +102,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=common__pb2.LoadRequest.FromString,
                     response_serializer=common__pb2.LoadResponse.SerializeToString,
+            ),
+            'WatchKVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKVEvents,
+                    request_deserializer=common__pb2.WatchKVEventsRequest.FromString,
+                    response_serializer=common__pb2.KVEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,6 +190,33 @@ class Prefill:
             '/tandem.v1.Prefill/GetLoad',
             common__pb2.LoadRequest.SerializeToString,
             common__pb2.LoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Prefill/WatchKVEvents',
+            common__pb2.WatchKVEventsRequest.SerializeToString,
+            common__pb2.KVEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

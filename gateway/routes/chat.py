@@ -7,10 +7,17 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from gateway.deps import GatewayDep
+from gateway.accounting import metered
+from gateway.deps import GatewayDep, PrincipalDep
 from gateway.dispatch import RequestOptions, TokenDelta
 from gateway.logprobs import TokenTexts, chat_logprobs
-from gateway.preprocess import check_model, make_jobs, tokenize_chat
+from gateway.preprocess import (
+    check_caps,
+    check_model,
+    make_jobs,
+    resolve_cache_salt,
+    tokenize_chat,
+)
 from gateway.protocol import ChatCompletionRequest
 from gateway.serving import Choice, ResponseBuilder, respond
 
@@ -77,15 +84,24 @@ class ChatBuilder(ResponseBuilder):
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(
-    body: ChatCompletionRequest, request: Request, gw: GatewayDep
+    body: ChatCompletionRequest, request: Request, gw: GatewayDep, principal: PrincipalDep
 ) -> Response:
     check_model(gw.model, body.model)
+    check_caps(principal.limits, body)
+    cache_salt = resolve_cache_salt(principal, body)
     prompt = tokenize_chat(gw.model, body)
     num_logprobs = body.num_logprobs()
-    jobs = make_jobs(gw.model, body, [prompt], num_logprobs, gw.settings.max_logprobs)
+    jobs = make_jobs(
+        gw.model,
+        body,
+        [prompt],
+        num_logprobs,
+        gw.settings.max_logprobs,
+        max_tokens_cap=principal.limits.max_tokens,
+    )
     opts = RequestOptions(
         f"chatcmpl-{uuid.uuid4().hex}",
-        body.cache_salt or "",
+        cache_salt,
         body.priority,
         gw.settings.retry_after_s,
     )
@@ -97,12 +113,19 @@ async def create_chat_completion(
         num_logprobs=num_logprobs,
         texts=gw.token_texts,
     )
-    return await respond(
+    return await metered(
+        gw.edge,
         request,
-        gw.dispatcher,
+        principal,
         jobs,
-        opts,
         builder,
-        stream=body.stream,
-        include_usage=body.include_usage,
+        lambda: respond(
+            request,
+            gw.dispatcher,
+            jobs,
+            opts,
+            builder,
+            stream=body.stream,
+            include_usage=body.include_usage,
+        ),
     )

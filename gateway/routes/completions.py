@@ -7,10 +7,17 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from gateway.deps import GatewayDep
+from gateway.accounting import metered
+from gateway.deps import GatewayDep, PrincipalDep
 from gateway.dispatch import RequestOptions, TokenDelta
 from gateway.logprobs import TokenTexts, completion_logprobs
-from gateway.preprocess import check_model, make_jobs, tokenize_completion
+from gateway.preprocess import (
+    check_caps,
+    check_model,
+    make_jobs,
+    resolve_cache_salt,
+    tokenize_completion,
+)
 from gateway.protocol import CompletionRequest
 from gateway.serving import Choice, ResponseBuilder, respond
 
@@ -67,13 +74,24 @@ class CompletionBuilder(ResponseBuilder):
 
 
 @router.post("/v1/completions")
-async def create_completion(body: CompletionRequest, request: Request, gw: GatewayDep) -> Response:
+async def create_completion(
+    body: CompletionRequest, request: Request, gw: GatewayDep, principal: PrincipalDep
+) -> Response:
     check_model(gw.model, body.model)
+    check_caps(principal.limits, body, num_prompts=len(body.prompts()))
+    cache_salt = resolve_cache_salt(principal, body)
     prompts = tokenize_completion(gw.model, body)
     num_logprobs = body.num_logprobs()
-    jobs = make_jobs(gw.model, body, prompts, num_logprobs, gw.settings.max_logprobs)
+    jobs = make_jobs(
+        gw.model,
+        body,
+        prompts,
+        num_logprobs,
+        gw.settings.max_logprobs,
+        max_tokens_cap=principal.limits.max_tokens,
+    )
     opts = RequestOptions(
-        f"cmpl-{uuid.uuid4().hex}", body.cache_salt or "", body.priority, gw.settings.retry_after_s
+        f"cmpl-{uuid.uuid4().hex}", cache_salt, body.priority, gw.settings.retry_after_s
     )
     builder = CompletionBuilder(
         opts.request_id,
@@ -83,12 +101,19 @@ async def create_completion(body: CompletionRequest, request: Request, gw: Gatew
         num_logprobs=num_logprobs,
         texts=gw.token_texts,
     )
-    return await respond(
+    return await metered(
+        gw.edge,
         request,
-        gw.dispatcher,
+        principal,
         jobs,
-        opts,
         builder,
-        stream=body.stream,
-        include_usage=body.include_usage,
+        lambda: respond(
+            request,
+            gw.dispatcher,
+            jobs,
+            opts,
+            builder,
+            stream=body.stream,
+            include_usage=body.include_usage,
+        ),
     )

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from gateway.registry import StaticRegistry
-from gateway.router import Outcome, RoundRobinRouter
+from gateway.router import Outcome, RoundRobinRouter, Route
+
+
+def plan(router: RoundRobinRouter, prompt: list[int]) -> list[Route]:
+    return asyncio.run(router.plan(prompt))
 
 
 class Clock:
@@ -15,7 +21,7 @@ class Clock:
 
 
 def _decodes(router: RoundRobinRouter) -> list[str]:
-    return [r.decode.address for r in router.plan([1, 2, 3])]
+    return [r.decode.address for r in plan(router, [1, 2, 3])]
 
 
 def test_round_robin_over_decodes():
@@ -53,15 +59,15 @@ def test_refused_and_ok_keep_or_restore_health():
 def test_prefills_rotate_and_skip_unhealthy():
     registry = StaticRegistry(["d1:1"], ["p1:1", "p2:1", "p3:1"])
     router = RoundRobinRouter(registry)
-    first, second = router.plan([1]), router.plan([1])
+    first, second = plan(router, [1]), plan(router, [1])
     assert [p.address for p in first[0].prefills] == ["p1:1", "p2:1", "p3:1"]
     assert [p.address for p in second[0].prefills] == ["p2:1", "p3:1", "p1:1"]
     router.report(registry.prefills()[1], Outcome.UNAVAILABLE)
     # Rotation continues over the healthy ones: turn 2 of [p1, p3].
-    assert [p.address for p in router.plan([1])[0].prefills] == ["p1:1", "p3:1"]
-    assert [p.address for p in router.plan([1])[0].prefills] == ["p3:1", "p1:1"]
+    assert [p.address for p in plan(router, [1])[0].prefills] == ["p1:1", "p3:1"]
+    assert [p.address for p in plan(router, [1])[0].prefills] == ["p3:1", "p1:1"]
 
 
 def test_no_prefills_means_local_prefill():
     router = RoundRobinRouter(StaticRegistry(["d1:1"]))
-    assert router.plan([1])[0].prefills == ()
+    assert plan(router, [1])[0].prefills == ()

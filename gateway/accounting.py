@@ -1,0 +1,107 @@
+"""One request's bookkeeping after validation: quota reservation, settlement, metrics.
+
+`metered(...)` reserves the request's quota (429 when refused), runs the route's `respond`, and
+returns its response wrapped so that `close` runs exactly once when the ASGI call ends, however
+it ends: last byte sent, error, client disconnect (streamed or not), cancellation. `close`
+settles the reservation with the tokens actually used (taken from the response builder) and
+records vLLM's request metrics. Doing this around the response, not in the body generator,
+matters: a streaming body that never started (client gone before the first byte) never runs
+its generator's `finally`, but the response call always returns.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from gateway.auth import Principal
+from gateway.edge import Edge
+from gateway.preprocess import ChildJob
+from gateway.quota_service import Ticket
+from gateway.serving import ResponseBuilder
+
+
+class _Meter:
+    def __init__(self, edge: Edge, ticket: Ticket, builder: ResponseBuilder, start_s: float):
+        self.edge, self.ticket, self.builder, self.start_s = edge, ticket, builder, start_s
+        self._is_closed = False
+
+    def close(self) -> None:
+        if self._is_closed:
+            return
+        self._is_closed = True
+        usage = self.builder.usage()
+        choices = self.builder.choices
+        # Prompts count once the decode has produced anything for them (they were prefilled).
+        num_completion_tokens = usage["completion_tokens"]
+        was_served = num_completion_tokens > 0 or any(c.finish_reason for c in choices)
+        self.edge.quota.release(self.ticket, usage["total_tokens"] if was_served else 0)
+        m, model = self.edge.metrics, self.edge.metrics.model_name
+        if was_served:
+            m.prompt_tokens.labels(model).inc(usage["prompt_tokens"])
+            m.generation_tokens.labels(model).inc(num_completion_tokens)
+        finished = [c.finish_reason for c in choices if c.finish_reason is not None]
+        for reason in finished:
+            m.request_success.labels(model, reason).inc()
+        if choices and len(finished) == len(choices):
+            m.e2e_latency.labels(model).observe(time.perf_counter() - self.start_s)
+
+    async def timed(self, body: AsyncIterator) -> AsyncIterator:
+        """The streamed body, observing the time to its first chunk (first tokens are in hand:
+        admission waits for every child's first message)."""
+        try:
+            is_first = True
+            async for chunk in body:
+                if is_first:
+                    is_first = False
+                    elapsed_s = time.perf_counter() - self.start_s
+                    self.edge.metrics.ttft.labels(self.edge.metrics.model_name).observe(elapsed_s)
+                yield chunk
+        finally:
+            aclose = getattr(body, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+class MeteredResponse(Response):
+    """Delegates to `inner`, then calls `on_done` whatever way the call ends."""
+
+    def __init__(self, inner: Response, on_done: Callable[[], None]):
+        self.inner, self.on_done = inner, on_done
+        self.status_code = inner.status_code
+        self.raw_headers = inner.raw_headers
+        self.background = inner.background
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.inner.background = self.background  # FastAPI may have set ours
+        try:
+            await self.inner(scope, receive, send)
+        finally:
+            self.on_done()
+
+
+async def metered(
+    edge: Edge,
+    request: Request,
+    principal: Principal,
+    jobs: Sequence[ChildJob],
+    builder: ResponseBuilder,
+    run: Callable[[], Awaitable[Response]],
+) -> Response:
+    """Reserve `sum(prompt_len) + sum(max_tokens)` for the request, run it, settle at the end."""
+    start_s = request.scope.get("state", {}).get("arrival_s", time.perf_counter())
+    num_tokens = sum(builder.prompt_lens) + sum(job.params.max_tokens or 0 for job in jobs)
+    ticket = await edge.quota.reserve(principal, builder.request_id, num_tokens)
+    meter = _Meter(edge, ticket, builder, start_s)
+    try:
+        response = await run()
+    except BaseException:
+        meter.close()
+        raise
+    if isinstance(response, StreamingResponse):
+        response.body_iterator = meter.timed(response.body_iterator)
+    return MeteredResponse(response, meter.close)

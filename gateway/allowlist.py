@@ -1,0 +1,150 @@
+"""The edge, in front of every route: path allowlist → body size → API key.
+
+Deny by default: a request reaches the app only if its exact path (no trailing-slash or case
+variants, no prefixes) is in `ROUTES` and its method is listed there; anything else is a 404 in
+OpenAI's shape (405 for a known path with another method), whatever the app itself might route.
+So `/docs`, `/openapi.json`, `/metrics` or a route someone adds later stay unreachable until they
+are listed here. The allowlist runs before auth: unknown paths cost no hashing, and the
+surface it reveals (the OpenAI routes) is public anyway.
+
+Auth: `Authorization: Bearer <key>`; the principal is stored in `scope["state"]["principal"]`
+for routes (`deps.PrincipalDep`) and the access log. With no keys configured every caller is
+the anonymous principal. Bodies: Content-Length above the limit is refused up front; a chunked
+body is read here, bounded, and replayed to the app.
+
+A pure ASGI middleware, like the access log: no buffering of streamed responses.
+"""
+
+from __future__ import annotations
+
+import time
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.auth import KeyStore, Principal
+from gateway.errors import APIError
+from gateway.metrics import GatewayMetrics
+
+ROUTES: dict[str, frozenset[str]] = {
+    "/v1/chat/completions": frozenset({"POST"}),
+    "/v1/completions": frozenset({"POST"}),
+    "/v1/models": frozenset({"GET"}),
+    "/health": frozenset({"GET"}),
+    "/version": frozenset({"GET"}),
+}
+
+_MISSING_KEY = (
+    "You didn't provide an API key. You need to provide your API key in an Authorization "
+    "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+)
+_WRONG_KEY = "Incorrect API key provided."
+
+
+def is_allowed_path(path: str) -> bool:
+    return path in ROUTES
+
+
+class EdgeMiddleware:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        keys: KeyStore,
+        anonymous: Principal,
+        public_paths: frozenset[str],
+        max_body_bytes: int,
+        metrics: GatewayMetrics,
+    ):
+        assert public_paths <= ROUTES.keys(), "public paths must be allowlisted"
+        self.app, self.keys, self.anonymous = app, keys, anonymous
+        self.public_paths, self.max_body_bytes = public_paths, max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":  # websockets: none are served
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        arrival_s = time.perf_counter()
+        error = self._check_route(scope)
+        if error is not None:
+            await error.response()(scope, receive, send)
+            return
+        headers = dict(scope["headers"])  # raw bytes; the last value of a repeated header wins
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            await self._too_large().response()(scope, receive, send)
+            return
+        principal = self.anonymous
+        if self.keys.is_enabled and scope["path"] not in self.public_paths:
+            principal, error = self._authenticate(headers.get(b"authorization"))
+            if error is not None:
+                await error.response()(scope, receive, send)
+                return
+        state = scope.setdefault("state", {})
+        state["principal"], state["arrival_s"] = principal, arrival_s
+        if length is None and scope["method"] == "POST":
+            body = await self._read_bounded(receive)
+            if body is None:
+                await self._too_large().response()(scope, receive, send)
+                return
+            receive = _replay(body, receive)
+        await self.app(scope, receive, send)
+
+    def _check_route(self, scope: Scope) -> APIError | None:
+        methods = ROUTES.get(scope["path"])
+        if methods is None:
+            return APIError("Not Found", 404)
+        if scope["method"] not in methods:
+            allow = ", ".join(sorted(methods))
+            return APIError("Method Not Allowed", 405, headers={"Allow": allow})
+        return None
+
+    def _authenticate(self, header: bytes | None) -> tuple[Principal, APIError | None]:
+        """The principal, or the 401 to send. Nothing about the presented value is echoed."""
+        reason, message = "missing", _MISSING_KEY
+        if header is not None:
+            scheme, _, token = header.strip().partition(b" ")
+            token = token.strip()
+            reason, message = "malformed", _WRONG_KEY
+            if scheme.lower() == b"bearer" and token:
+                principal = self.keys.authenticate(token)
+                if principal is not None:
+                    return principal, None
+                reason = "invalid"
+        self.metrics.auth_failures.labels(reason).inc()
+        error = APIError(message, 401, headers={"WWW-Authenticate": "Bearer"})
+        return self.anonymous, error
+
+    def _too_large(self) -> APIError:
+        return APIError(f"Request body is larger than {self.max_body_bytes} bytes.", 413)
+
+    async def _read_bounded(self, receive: Receive) -> bytes | None:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # disconnect: let the app see an empty body
+                return b"".join(chunks)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that yields `body` once, then defers to the real one (disconnects)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed

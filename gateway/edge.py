@@ -1,0 +1,84 @@
+"""The gateway's edge as one object: keys, metrics and quotas, their middlewares and lifecycle.
+
+`build_state` makes one `Edge` from settings; `create_app` installs its middlewares and starts
+and stops it in the lifespan (the Redis client and the metrics exporter need a running loop /
+thread, and must close with the app). Middleware order, outermost first:
+access log → CORS (only with configured origins) → `EdgeMiddleware` (allowlist, body size,
+auth) → routes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
+
+from gateway.allowlist import EdgeMiddleware
+from gateway.auth import KeyStore, Principal, anonymous
+from gateway.config import GatewaySettings
+from gateway.metrics import GatewayMetrics
+from gateway.quota_service import QuotaService
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Edge:
+    settings: GatewaySettings
+    keys: KeyStore
+    anonymous: Principal
+    metrics: GatewayMetrics
+    quota: QuotaService
+    metrics_address: tuple[str, int] | None = None  # where /metrics listens, once started
+
+    @classmethod
+    def from_settings(cls, settings: GatewaySettings, model_name: str) -> Edge:
+        keys = KeyStore.from_settings(settings)
+        if not keys.is_enabled:
+            logger.warning(
+                "AUTH IS OFF: no API keys configured (TANDEM_API_KEYS / TANDEM_API_KEYS_FILE); "
+                "every request is served without a key"
+            )
+        metrics = GatewayMetrics(model_name)
+        return cls(settings, keys, anonymous(settings), metrics, QuotaService(settings, metrics))
+
+    def public_paths(self) -> frozenset[str]:
+        """Reachable without a key when keys are configured; everything else needs one."""
+        paths: set[str] = set()
+        if self.settings.public_health:
+            paths.add("/health")
+        if self.settings.public_models:
+            paths.add("/v1/models")
+        return frozenset(paths)
+
+    def install(self, app: FastAPI) -> None:
+        """Add the edge middlewares (call before adding the access log, which wraps them)."""
+        app.add_middleware(
+            EdgeMiddleware,
+            keys=self.keys,
+            anonymous=self.anonymous,
+            public_paths=self.public_paths(),
+            max_body_bytes=self.settings.max_request_body_bytes,
+            metrics=self.metrics,
+        )
+        if self.settings.cors_origins:
+            app.add_middleware(
+                CORSMiddleware,
+                allow_origins=self.settings.cors_origins,
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type"],
+                allow_credentials=False,  # keys travel in headers, not cookies
+            )
+
+    async def start(self) -> None:
+        await self.quota.start()
+        if self.settings.metrics_port is not None:
+            self.metrics_address = self.metrics.start_server(
+                self.settings.metrics_host, self.settings.metrics_port
+            )
+
+    async def close(self) -> None:
+        self.metrics.stop_server()
+        await self.quota.close()

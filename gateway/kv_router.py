@@ -1,0 +1,215 @@
+"""`KVRouter`: (P, D) by predicted TTFT from cache locations and load (gateway/cost_model.py).
+
+Per request: healthy instances from the registry → one index lookup (how many leading prompt
+blocks each holds; one round trip) → candidates (reported load + what this gateway routed since
+that report) → `plan_routes` → routes, best first. The first route's decision is counted by
+reason (`RoutingStats`) and its work is remembered as pending until the instances report it.
+
+Degraded mode: when the index cannot answer (Redis down), every hit is unknown and the same
+model routes by load alone; requests keep flowing and `is_degraded` says so.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from gateway.cost_model import Candidate, CostParams, Decision, plan_routes
+from gateway.index import BlockIndex, IndexTarget, IndexUnavailable
+from gateway.registry import Instance, InstanceRegistry, InstanceStatus
+from gateway.router import HealthMarks, Outcome, Route, Router
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RoutingStats:
+    """Counters for the metrics module: `tandem:route_decisions{reason}` and
+    `tandem:local_prefill_decisions` (see `RoutingCollector`)."""
+
+    route_decisions: collections.Counter = field(default_factory=collections.Counter)
+    local_prefill_decisions: int = 0
+    index_errors: int = 0
+
+
+class PendingWork:
+    """Work this gateway routed that an instance's last report may not include yet.
+
+    Why: reports arrive every few tens of milliseconds (embedded) to a few hundred (Redis); a
+    burst routed in between would otherwise all see the same stale load and pile onto one
+    instance. An entry counts until a report taken `margin_s` after it arrives, or `ttl_s`.
+    """
+
+    def __init__(self, ttl_s: float = 2.0, margin_s: float = 0.05, clock=time.time):
+        self.ttl_s, self.margin_s, self._clock = ttl_s, margin_s, clock
+        self._entries: dict[str, collections.deque[tuple[float, int]]] = {}
+
+    def add(self, instance_id: str, num_tokens: int) -> None:
+        self._entries.setdefault(instance_id, collections.deque()).append(
+            (self._clock(), num_tokens)
+        )
+
+    def drop_one(self, instance_id: str) -> None:
+        entries = self._entries.get(instance_id)
+        if entries:
+            entries.pop()
+
+    def get(self, instance_id: str, as_of_s: float) -> tuple[int, int]:
+        """(requests, prompt tokens) not yet in a report taken at `as_of_s` (wall clock)."""
+        entries = self._entries.get(instance_id)
+        if not entries:
+            return 0, 0
+        horizon = max(as_of_s - self.margin_s, self._clock() - self.ttl_s)
+        while entries and entries[0][0] < horizon:
+            entries.popleft()
+        return len(entries), sum(n for _, n in entries)
+
+
+class KVRouter(Router):
+    def __init__(
+        self,
+        registry: InstanceRegistry,
+        index: BlockIndex | None,
+        params: CostParams | None = None,
+        cooldown_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+        pending: PendingWork | None = None,
+    ):
+        self.registry = registry
+        self.index = index
+        self.params = params or CostParams()
+        self.health = HealthMarks(cooldown_s, clock)
+        self.pending = pending or PendingWork()
+        self.stats = RoutingStats()
+
+    @property
+    def is_degraded(self) -> bool:
+        """Routing by load alone: no index, or its store (or the registry's) is unreachable."""
+        index_ok = self.index is not None and self.index.is_available
+        return not (index_ok and self.registry.is_available)
+
+    async def start(self) -> None:
+        if self.index is not None:
+            await self.index.start()
+
+    async def close(self) -> None:
+        if self.index is not None:
+            await self.index.close()
+
+    def report(self, instance: Instance, outcome: Outcome) -> None:
+        self.health.report(instance, outcome)
+        if outcome is not Outcome.OK:
+            self.pending.drop_one(instance.instance_id)  # it never took the request
+
+    async def plan(
+        self, prompt_token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> list[Route]:
+        decodes = [d for d in self.registry.decodes() if self.health.is_healthy(d)]
+        if not decodes:
+            return []
+        prefills = [p for p in self.registry.prefills() if self.health.is_healthy(p)]
+        statuses = {i.instance_id: self.registry.status(i) for i in (*decodes, *prefills)}
+        hits, is_known = await self._lookup(prompt_token_ids, cache_salt, statuses)
+        num_tokens = len(prompt_token_ids)
+        decisions = plan_routes(
+            [self._candidate(d, statuses, hits, num_tokens, True) for d in decodes],
+            [self._candidate(p, statuses, hits, num_tokens, False) for p in prefills],
+            num_tokens,
+            self.params,
+        )
+        self._record(decisions[0], num_tokens, is_known)
+        return [Route(x.decode.instance, tuple(p.instance for p in x.prefills)) for x in decisions]
+
+    async def _lookup(
+        self,
+        prompt_token_ids: Sequence[int],
+        cache_salt: str | None,
+        statuses: dict[str, InstanceStatus | None],
+    ) -> tuple[dict[str, int], bool]:
+        """(leading cached blocks per instance id, whether the index answered)."""
+        if self.index is None:
+            return {}, False
+        targets = [
+            IndexTarget(i, s.epoch, s.block_size)
+            for i, s in statuses.items()
+            if s is not None and s.block_size > 0
+        ]
+        if not targets:
+            return {}, True
+        try:
+            return await self.index.lookup(prompt_token_ids, cache_salt, targets), True
+        except IndexUnavailable as e:
+            self.stats.index_errors += 1
+            logger.debug("index unavailable, routing by load: %s", e)
+            return {}, False
+
+    def _candidate(
+        self,
+        instance: Instance,
+        statuses: dict[str, InstanceStatus | None],
+        hits: dict[str, int],
+        num_tokens: int,
+        is_decode: bool,
+    ) -> Candidate:
+        s = statuses[instance.instance_id]
+        num_reqs, num_tokens_sent = self.pending.get(instance.instance_id, s.as_of_s if s else 0)
+        if s is None:
+            return Candidate(instance, num_outstanding=num_reqs, num_pending_tokens=num_tokens_sent)
+        num_hit_blocks = hits.get(instance.instance_id, 0)
+        num_needed_blocks = -(-num_tokens // s.block_size) - num_hit_blocks if s.block_size else 0
+        return Candidate(
+            instance,
+            num_hit_tokens=min(num_hit_blocks * s.block_size, num_tokens - 1),
+            num_outstanding=s.num_outstanding + num_reqs,
+            num_pending_tokens=s.num_pending_prefill_tokens + num_tokens_sent,
+            prefill_tokens_per_s=s.prefill_tokens_per_s,
+            kv_bytes_per_token=s.kv_bytes_per_block / s.block_size if s.block_size else 0.0,
+            batch_token_budget=s.max_num_batched_tokens,
+            has_room=not is_decode or s.num_free_blocks >= num_needed_blocks,
+        )
+
+    def _record(self, decision: Decision, num_tokens: int, is_index_known: bool) -> None:
+        reason = decision.reason
+        if not is_index_known and reason in ("load", "local_busy"):
+            reason = "degraded"
+        self.stats.route_decisions[reason] += 1
+        d = decision.decode
+        if decision.prefills:
+            p = decision.prefills[0]
+            self.pending.add(p.instance.instance_id, num_tokens - p.num_hit_tokens)
+            self.pending.add(d.instance.instance_id, 0)
+        else:
+            self.stats.local_prefill_decisions += 1
+            self.pending.add(d.instance.instance_id, num_tokens - d.num_hit_tokens)
+
+
+class RoutingCollector:
+    """A prometheus_client collector over `RoutingStats`; register it where metrics are served:
+    `prometheus_client.REGISTRY.register(RoutingCollector(router))`."""
+
+    def __init__(self, router: KVRouter):
+        self.router = router
+
+    def collect(self) -> Iterator:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats = self.router.stats
+        decisions = CounterMetricFamily(
+            "tandem:route_decisions", "Routing decisions by reason", labels=["reason"]
+        )
+        for reason, n in sorted(stats.route_decisions.items()):
+            decisions.add_metric([reason], n)
+        yield decisions
+        yield CounterMetricFamily(
+            "tandem:local_prefill_decisions",
+            "Requests routed to prefill locally on the decode",
+            value=stats.local_prefill_decisions,
+        )
+        yield GaugeMetricFamily(
+            "tandem:routing_degraded",
+            "1 while routing by load alone (block index unavailable)",
+            value=float(self.router.is_degraded),
+        )

@@ -1,0 +1,103 @@
+"""Prometheus metrics of the gateway, served on an internal port only (`--metrics-port`).
+
+vLLM's names where the meaning is the same (dashboards built for vLLM keep working), Tandem's
+own `tandem:*` for the edge. Each app has its own `CollectorRegistry`, so several gateways in one
+process (tests) do not collide. The exporter is prometheus-client's threaded HTTP server bound to
+`metrics_host` (127.0.0.1 by default); the public app has no `/metrics` route at all.
+
+Labels never carry keys or request data: `model_name`, `finished_reason`, `tenant` (a configured
+name, so cardinality is bounded by the key file) and small fixed `reason` sets.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
+
+logger = logging.getLogger(__name__)
+
+# vLLM's buckets for these two histograms.
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+
+class GatewayMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r = self.registry
+        ProcessCollector(registry=r)
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests (per choice), by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.e2e_latency = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency at the gateway, to the last byte.",
+            ["model_name"],
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to the first streamed chunk (first tokens are in hand by then).",
+            ["model_name"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prefill tokens processed.", ["model_name"], registry=r
+        )
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Generation tokens processed.", ["model_name"], registry=r
+        )
+        self.auth_failures = Counter(
+            "tandem:auth_failures",
+            "Requests refused with 401, by reason (missing, malformed, invalid).",
+            ["reason"],
+            registry=r,
+        )
+        self.quota_rejections = Counter(
+            "tandem:quota_rejections",
+            "Requests refused by a per-key window limit (429; 400: larger than tokens_per_min).",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.degraded = Gauge(
+            "tandem:degraded",
+            "1 while Redis is unreachable and quotas run per gateway, in memory.",
+            registry=r,
+        )
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def start_server(self, host: str, port: int) -> tuple[str, int]:
+        """Serve /metrics on host:port (0: any free port); returns the bound address."""
+        self._server, self._thread = start_http_server(port, host, registry=self.registry)
+        address = self._server.server_address[:2]
+        logger.info("metrics on http://%s:%d/metrics (internal port)", *address)
+        return address[0], address[1]
+
+    def stop_server(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

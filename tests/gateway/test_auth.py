@@ -1,0 +1,175 @@
+"""API keys: 401s in OpenAI's shape, public routes, key sources, and keys never in logs."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import openai
+import pytest
+
+from gateway.__main__ import parse_args
+from gateway.auth import KeyStore
+from gateway.config import GatewaySettings
+from tests.gateway.conftest import SERVED_NAME
+from tests.gateway.edge_util import (
+    KEY_ALPHA,
+    KEY_ALPHA_2,
+    KEY_BETA,
+    KEY_GAMMA,
+    MESSAGES,
+    chat,
+    edge_gateway,
+    hash_prefix,
+    sdk,
+    write_keys,
+)
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_qwen3_path, model_info, fakes):
+    keys = f"{KEY_ALPHA}:alpha, {KEY_BETA}:beta"
+    with edge_gateway(tiny_qwen3_path, model_info, decode=[fakes[0][1]], api_keys=keys) as (
+        url,
+        state,
+    ):
+        yield url, state
+
+
+def _assert_401(resp: httpx.Response, *, secret: str | None = None) -> dict:
+    assert resp.status_code == 401
+    assert resp.headers["www-authenticate"] == "Bearer"
+    error = resp.json()["error"]
+    assert error["type"] == "AuthenticationError" and error["code"] == 401
+    if secret:
+        assert secret not in resp.text
+    return error
+
+
+def test_requests_need_a_valid_key(keyed):
+    url, _ = keyed
+    assert chat(url, KEY_ALPHA).choices[0].finish_reason is not None
+    assert chat(url, KEY_BETA).choices[0].finish_reason is not None
+    wrong = KEY_ALPHA[:-1] + "x"
+    with pytest.raises(openai.AuthenticationError) as info:
+        chat(url, wrong)
+    assert info.value.body["message"] == "Incorrect API key provided."
+    assert wrong not in str(info.value.body)
+    body = {"model": SERVED_NAME, "messages": MESSAGES}
+    missing = _assert_401(httpx.post(f"{url}/v1/chat/completions", json=body))
+    assert "didn't provide an API key" in missing["message"]
+    for header in (f"Basic {KEY_ALPHA}", KEY_ALPHA, "Bearer", f"Bearer  {wrong}"):
+        resp = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": header})
+        _assert_401(resp, secret=KEY_ALPHA)
+
+
+def test_auth_comes_before_body_parsing(keyed):
+    url, _ = keyed
+    resp = httpx.post(f"{url}/v1/completions", content=b"{not json")
+    _assert_401(resp)
+
+
+def test_public_routes_need_no_key(keyed):
+    url, _ = keyed
+    assert httpx.get(f"{url}/health").status_code == 200
+    _assert_401(httpx.get(f"{url}/version"))  # not public: everything but health and models
+    assert httpx.get(f"{url}/version", headers={"Authorization": f"Bearer {KEY_BETA}"}).is_success
+    (model,) = sdk(url, "not-a-key").models.list().data
+    assert model.id == SERVED_NAME
+
+
+def test_public_routes_can_be_closed(tiny_qwen3_path, model_info, fakes):
+    overrides = dict(api_keys=KEY_ALPHA, public_health=False, public_models=False)
+    with edge_gateway(tiny_qwen3_path, model_info, decode=[fakes[0][1]], **overrides) as (url, _):
+        for path in ("/health", "/v1/models"):
+            _assert_401(httpx.get(f"{url}{path}"))
+            auth = {"Authorization": f"Bearer {KEY_ALPHA}"}
+            assert httpx.get(f"{url}{path}", headers=auth).status_code == 200
+
+
+def test_key_file_tenants_and_limits(tmp_path):
+    path = write_keys(
+        tmp_path / "keys",
+        [
+            (KEY_ALPHA, "alpha", {"requests_per_min": 5, "max_n": 2, "trust_group": "acme"}),
+            (KEY_ALPHA_2, "alpha", {"trust_group": "acme"}),
+            (KEY_BETA, "beta", None),
+        ],
+    )
+    settings = GatewaySettings(model="m", api_keys_file=path, default_tokens_per_min=1000)
+    store = KeyStore.from_settings(settings)
+    alpha = store.authenticate(KEY_ALPHA.encode())
+    assert alpha is not None and alpha.tenant == "alpha" and alpha.cache_salt == "group:acme"
+    assert (alpha.limits.requests_per_min, alpha.limits.max_n) == (5, 2)
+    assert alpha.limits.tokens_per_min == 1000  # from the defaults
+    alpha_2 = store.authenticate(KEY_ALPHA_2.encode())
+    assert alpha_2 is not None and alpha_2.quota_id != alpha.quota_id  # quotas are per key
+    beta = store.authenticate(KEY_BETA.encode())
+    assert beta is not None and beta.cache_salt == "tenant:beta" and beta.trust_group is None
+    assert store.authenticate(b"nope") is None
+    # Bare keys (env) belong to the default tenant.
+    store = KeyStore.from_settings(GatewaySettings(model="m", api_keys=KEY_GAMMA))
+    assert store.authenticate(KEY_GAMMA.encode()).tenant == "default"
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        (f"{KEY_ALPHA}:bad tenant!", "tenant must match"),
+        (f"{KEY_ALPHA}:t:{{not json", "not valid JSON"),
+        (f'{KEY_ALPHA}:t:{{"rpm": 1}}', "unknown limit field"),
+        (f'{KEY_ALPHA}:t:{{"max_n": 0}}', "max_n must be an integer >= 1"),
+        (f"{KEY_ALPHA}:t\n{KEY_ALPHA}:u", "duplicate key"),
+        (":t", "empty key"),
+    ],
+)
+def test_key_file_errors_name_lines_not_keys(tmp_path, line, message):
+    path = tmp_path / "keys"
+    path.write_text(f"# comment\n\n{line}\n")
+    with pytest.raises(ValueError, match=message) as info:
+        KeyStore.from_settings(GatewaySettings(model="m", api_keys_file=path))
+    assert "TANDEM_API_KEYS_FILE line" in str(info.value)
+    assert KEY_ALPHA not in str(info.value)
+
+
+def test_keys_never_come_from_argv_or_reprs(monkeypatch):
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--api-keys", KEY_ALPHA])
+    monkeypatch.setenv("TANDEM_API_KEYS", KEY_ALPHA)
+    settings = GatewaySettings(model="m")
+    assert KEY_ALPHA not in repr(settings) and KEY_ALPHA not in str(settings.model_dump())
+    assert settings.api_keys.get_secret_value() == KEY_ALPHA
+    with pytest.raises(ValueError, match="limits can only be set in TANDEM_API_KEYS_FILE"):
+        KeyStore.from_settings(GatewaySettings(model="m", api_keys=f'{KEY_ALPHA}:t:{{"a":1}}'))
+
+
+def test_auth_off_is_announced(tiny_qwen3_path, model_info, caplog):
+    with caplog.at_level(logging.WARNING, logger="gateway"):
+        with edge_gateway(tiny_qwen3_path, model_info) as _:
+            pass
+    assert "AUTH IS OFF" in caplog.text
+
+
+def test_keys_never_appear_in_logs(keyed, caplog):
+    url, _ = keyed
+    wrong = "sk-tandem-wrong-9988776655443322"
+    secrets = [KEY_ALPHA, KEY_BETA, wrong]
+    with caplog.at_level(logging.DEBUG):
+        chat(url, KEY_ALPHA)
+        chat(url, KEY_BETA, stream=True).close()
+        with pytest.raises(openai.AuthenticationError):
+            chat(url, wrong)
+        with pytest.raises(openai.BadRequestError):  # an error after auth
+            chat(url, KEY_ALPHA, top_p=7)
+        httpx.get(f"{url}/v1/{KEY_ALPHA}")  # a key in a path: 404, path not logged
+        httpx.get(f"{url}/health?key={KEY_BETA}")
+        httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {wrong}\x7f"})
+    # The gateway's records only: the test's own HTTP clients log URLs (with that query key).
+    client_side = ("httpx", "httpcore", "openai")
+    records = [r for r in caplog.records if not r.name.startswith(client_side)]
+    text = "\n".join(caplog.handler.format(r) for r in records)
+    assert "POST /v1/chat/completions 200" in text and "tenant=alpha" in text  # logs work
+    assert "<not allowed>" in text
+    for secret in secrets:
+        assert secret not in text
+        assert hash_prefix(secret) not in text and hash_prefix(secret, 6) not in text

@@ -1,0 +1,165 @@
+"""The KV-aware scorer (gateway/cost_model.py) and `KVRouter` over an embedded index: which
+(P, D) wins, when local prefill pays, hot-spot protection, degraded routing, counters."""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine.block_hash import hash_block_tokens
+from engine.block_pool import KVCacheEvent
+from gateway.cost_model import Candidate, CostParams, plan_routes
+from gateway.index import EmbeddedIndex, IndexUnavailable
+from gateway.kv_router import KVRouter
+from gateway.registry import Instance, InstanceStatus, StaticRegistry
+from gateway.router import Outcome
+
+PARAMS = CostParams(default_prefill_tokens_per_s=10_000.0)
+P1, P2 = Instance("p1:1", "p1"), Instance("p2:1", "p2")
+D1, D2 = Instance("d1:1", "d1"), Instance("d2:1", "d2")
+
+
+def cand(instance, hit=0, outstanding=0, pending=0, rate=10_000.0, room=True) -> Candidate:
+    return Candidate(instance, hit, outstanding, pending, rate, 4096 / 16, room)
+
+
+def first(decodes, prefills, num_tokens):
+    return plan_routes(decodes, prefills, num_tokens, PARAMS)[0]
+
+
+def test_idle_fleet_prefills_remotely_on_the_least_loaded():
+    d = first([cand(D1)], [cand(P1, outstanding=2, pending=300), cand(P2)], 500)
+    assert d.reason == "load" and [p.instance for p in d.prefills] == [P2, P1]
+
+
+def test_the_prefix_holder_wins():
+    d = first([cand(D1)], [cand(P1), cand(P2, hit=448)], 500)
+    assert d.reason == "cache_hit" and d.prefills[0].instance == P2
+
+
+def test_local_prefill_when_decode_holds_most_of_a_long_prefix():
+    d = first([cand(D1, hit=1984)], [cand(P1), cand(P2)], 2000)
+    assert d.prefills == () and d.reason == "local_prefix"
+    # ...but not for a short prompt, where it would save less than the margin.
+    d = first([cand(D1, hit=48)], [cand(P1), cand(P2)], 60)
+    assert d.prefills != () and d.reason == "load"
+    # ...nor when the prefill holds the prefix as well.
+    d = first([cand(D1, hit=1984)], [cand(P1, hit=1984), cand(P2)], 2000)
+    assert d.prefills[0].instance == P1 and d.reason == "cache_hit"
+
+
+def test_local_prefill_when_every_prefill_is_backed_up():
+    busy = [cand(P1, outstanding=20, pending=10_000), cand(P2, outstanding=20, pending=10_000)]
+    d = first([cand(D1)], busy, 300)
+    assert d.prefills == () and d.reason == "local_busy"
+    # A decode already running many streams does not pay: its stall counts.
+    d = first([cand(D1, outstanding=64)], busy, 300)
+    assert d.prefills != ()
+
+
+def test_queued_work_within_the_step_budget_is_no_wait():
+    """A burst that fits in the prefills' next step is batched, not a reason to go local."""
+    burst = [
+        Candidate(P1, 0, 16, 320, 4000.0, 256.0, True, 2048),
+        Candidate(P2, 0, 16, 320, 4000.0, 256.0, True, 2048),
+    ]
+    d = first([cand(D1, outstanding=16)], burst, 20)
+    assert d.prefills != () and d.reason == "load"
+    over = [Candidate(p.instance, 0, 30, 12_000, 4000.0, 256.0, True, 2048) for p in burst]
+    assert first([cand(D1)], over, 300).reason == "local_busy"
+
+
+def test_no_prefill_pool_means_local():
+    d = first([cand(D1)], [], 100)
+    assert d.prefills == () and d.reason == "no_prefill"
+
+
+def test_hot_spot_spreads_a_hot_prefix():
+    holder = cand(P1, hit=496, outstanding=PARAMS.hot_spot_max_gap + 1, pending=80)
+    d = first([cand(D1)], [holder, cand(P2)], 512)
+    assert d.prefills[0].instance == P2 and d.reason == "hot_spot"
+    holder = cand(P1, hit=496, outstanding=PARAMS.hot_spot_max_gap, pending=64)
+    d = first([cand(D1)], [holder, cand(P2)], 512)
+    assert d.prefills[0].instance == P1 and d.reason == "cache_hit"
+
+
+def test_decodes_ordered_by_load_and_room():
+    decisions = plan_routes(
+        [cand(D1, outstanding=3), cand(D2, room=False), cand(Instance("d3:1", "d3"))],
+        [cand(P1)],
+        100,
+        PARAMS,
+    )
+    assert [x.decode.instance.instance_id for x in decisions] == ["d3", "d1", "d2"]
+
+
+# ---- KVRouter: registry + index + pending work ---------------------------------------------
+def _status(epoch="e", **kw) -> InstanceStatus:
+    return InstanceStatus(epoch=epoch, block_size=16, kv_bytes_per_block=4096, **kw)
+
+
+def _router(index=None):
+    registry = StaticRegistry(["d1:1", "d2:1"], ["p1:1", "p2:1"])
+    for i in (*registry.decodes(), *registry.prefills()):
+        registry.set_status(i.instance_id, _status(num_free_blocks=100))
+    index = index or EmbeddedIndex()
+    return KVRouter(registry, index, params=PARAMS), registry, index
+
+
+def _plan(router, prompt, salt=None):
+    return asyncio.run(router.plan(prompt, salt))
+
+
+def test_router_follows_the_index_and_counts_reasons():
+    router, _, index = _router()
+    prompt = list(range(200))
+    hashes = hash_block_tokens(prompt, 16, "t")
+    index.apply("p2:1", "e", True, [KVCacheEvent("stored", tuple(hashes))])
+    route = _plan(router, prompt, "t")[0]
+    assert route.prefills[0].address == "p2:1"
+    route = _plan(router, prompt, "other-tenant")[0]  # another salt: nothing cached
+    assert router.stats.route_decisions == {"cache_hit": 1, "load": 1}
+    assert router.stats.local_prefill_decisions == 0
+
+
+def test_router_spreads_a_burst_of_one_hot_prefix():
+    """Reports lag; the router's own pending work + the gap cap keep P2 from idling."""
+    router, _, index = _router()
+    prompt = list(range(200))
+    index.apply("p1:1", "e", True, [KVCacheEvent("stored", tuple(hash_block_tokens(prompt, 16)))])
+    firsts = [_plan(router, prompt)[0].prefills[0].address for _ in range(16)]
+    assert firsts[0] == "p1:1"
+    assert 4 <= firsts.count("p2:1") <= 12, firsts
+    assert router.stats.route_decisions["hot_spot"] > 0
+    decodes = [_plan(router, prompt)[0].decode.address for _ in range(4)]
+    assert set(decodes) == {"d1:1", "d2:1"}
+
+
+def test_router_degrades_to_load_when_the_index_is_down():
+    class DownIndex(EmbeddedIndex):
+        async def lookup(self, *args):
+            raise IndexUnavailable("redis down")
+
+        @property
+        def is_available(self) -> bool:
+            return False
+
+    router, _, _ = _router(DownIndex())
+    routes = _plan(router, list(range(100)))
+    assert len(routes) == 2 and routes[0].prefills
+    assert router.is_degraded and router.stats.route_decisions == {"degraded": 1}
+
+
+def test_router_skips_unavailable_and_forgets_refused_work():
+    router, registry, _ = _router()
+    d1 = registry.decodes()[0]
+    router.report(d1, Outcome.UNAVAILABLE)
+    assert [r.decode.address for r in _plan(router, [1, 2, 3])] == ["d2:1"]
+    router.report(d1, Outcome.OK)
+    assert len(_plan(router, [1, 2, 3])) == 2
+
+
+def test_router_without_statuses_still_routes():
+    router = KVRouter(StaticRegistry(["d1:1", "d2:1"], ["p1:1"]), EmbeddedIndex(), PARAMS)
+    routes = [_plan(router, [1, 2, 3]) for _ in range(2)]
+    assert [r[0].decode.address for r in routes] == ["d1:1", "d2:1"]  # pending work spreads
+    assert routes[0][0].prefills[0].address == "p1:1"
