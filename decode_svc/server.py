@@ -25,8 +25,10 @@ import uuid
 import grpc
 
 from decode_svc.receiver import KVReceiver, TransferState
+from engine import internal_auth
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.engine_core import EngineCore
+from engine.internal_auth import server_interceptors
 from engine.kv_cache_manager import cdiv
 from engine.registry import add_registry_args
 from engine.request import Request, RequestStatus
@@ -267,7 +269,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         if address not in self._channels:
             self._channels[address] = prefill_pb2_grpc.PrefillStub(
-                grpc.aio.insecure_channel(address)
+                internal_auth.insecure_channel(address)
             )
         return self._channels[address]
 
@@ -304,7 +306,7 @@ async def serve(args: argparse.Namespace) -> None:
     agent = await engine.call(_make_agent, instance_id, args.kv_backend, core)
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
     eos = get_eos_token_ids(tokenizer, config.model.generation_config)
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=server_interceptors())
     kv = KVPublishing(engine, "decode", instance_id, args.model)
     servicer = DecodeServicer(engine, agent, instance_id, eos, args, kv)
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)

@@ -10,12 +10,16 @@ from __future__ import annotations
 import argparse
 import ctypes
 import logging
+import os
+import secrets
 import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
+
+from engine.internal_auth import ENV_TOKEN
 
 logger = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -115,6 +119,8 @@ def serve_main(argv: list[str] | None = None) -> int:
     engine_args = _without(argv, serve_only)
     if args.num_decode < 1 or args.num_prefill < 0:
         parser.error("need --num-decode >= 1 and --num-prefill >= 0")
+    # Internal gRPC traffic is authenticated with a per-launch secret, passed by environment.
+    os.environ.setdefault(ENV_TOKEN, secrets.token_hex(32))
     cluster = Cluster()
     stopping = threading.Event()
 

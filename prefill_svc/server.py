@@ -23,6 +23,7 @@ import grpc
 
 from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore
+from engine.internal_auth import server_interceptors
 from engine.kv_cache_manager import cdiv
 from engine.registry import add_registry_args
 from engine.request import Request
@@ -185,7 +186,7 @@ async def serve(args: argparse.Namespace) -> None:
     agent = await engine.call(_make_agent, instance_id, args.kv_backend, core)
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
     eos = get_eos_token_ids(tokenizer, config.model.generation_config)
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=server_interceptors())
     kv = KVPublishing(engine, "prefill", instance_id, args.model)
     servicer = PrefillServicer(
         engine, agent, instance_id, eos, args.kv_lease_s, args.transfer_timeout_s, kv
