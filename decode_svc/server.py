@@ -28,24 +28,20 @@ from decode_svc.receiver import KVReceiver, TransferState
 from engine import internal_auth
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.engine_core import EngineCore
-from engine.internal_auth import server_interceptors
 from engine.kv_cache_manager import cdiv
-from engine.registry import add_registry_args
+from engine.metrics import INTER_TOKEN_LATENCY, KV_TRANSFER_SECONDS, TIME_TO_FIRST_TOKEN
 from engine.request import Request, RequestStatus
 from engine.scheduler import SchedulerFullError
+from engine.service_main import ServiceContext, run_service, service_main, service_parser
 from engine.serving import (
     KVPublishing,
-    add_engine_args,
     check_prompt,
-    engine_config_from_args,
     load_response,
     logprobs_from_proto,
     logprobs_to_proto,
     sampling_params_from_proto,
     sampling_params_to_proto,
-    serve_health,
 )
-from engine.tokenizer import get_eos_token_ids, load_tokenizer
 from kv_transfer import Agent
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -108,9 +104,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 timings.local_prefill = True
                 self.counters["num_local_prefills"] += 1
                 stream = self.engine.generate(req)
+            last = start
             async for out in stream:
+                now = time.monotonic()
                 if num_out == 0:
-                    timings.prefill_s = time.monotonic() - start
+                    timings.prefill_s = now - start
+                    TIME_TO_FIRST_TOKEN.observe(now - start)
+                elif out.new_token_ids:
+                    INTER_TOKEN_LATENCY.observe(now - last)
+                last = now
                 num_out += len(out.new_token_ids)
                 yield decode_pb2.GenerateResponse(
                     tokens=decode_pb2.TokenChunk(
@@ -219,6 +221,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self.counters["num_remote_prefills"] += 1
             self.counters["kv_transfer_bytes"] += resp.kv_transfer_bytes
             timings.kv_transfer_s = resp.kv_transfer_s
+            KV_TRANSFER_SECONDS.observe(resp.kv_transfer_s)
             timings.kv_transfer_bytes = resp.kv_transfer_bytes
             timings.prefill_instance = target.instance_id or target.address
             lp = (
@@ -278,6 +281,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         found = await self.engine.call(self.core.abort_request, request.request_id)
         return common_pb2.AbortResponse(found=found)
 
+    def metric_counters(self) -> dict[str, float]:
+        return dict(self.counters)
+
     async def GetLoad(self, request, context):
         return load_response(
             self.core,
@@ -298,51 +304,12 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: no KV notification"
 
 
-async def serve(args: argparse.Namespace) -> None:
-    config = engine_config_from_args(args)
-    core = EngineCore(config)
-    engine = AsyncEngine(core)
-    instance_id = args.instance_id or f"decode-{uuid.uuid4().hex[:8]}"
-    agent = await engine.call(_make_agent, instance_id, args.kv_backend, core)
-    tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
-    eos = get_eos_token_ids(tokenizer, config.model.generation_config)
-    server = grpc.aio.server(interceptors=server_interceptors())
-    kv = KVPublishing(engine, "decode", instance_id, args.model)
-    servicer = DecodeServicer(engine, agent, instance_id, eos, args, kv)
-    decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
-    health_task = await serve_health(server, SERVICE_NAME, engine)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
-    await server.start()
-    if args.redis_url:
-        await kv.start_redis(
-            args.redis_url, args.advertise_address or f"{args.host}:{port}", args.heartbeat_s
-        )
-    logger.info(
-        "Decode %s serving on %s:%d (kv backend %s)", instance_id, args.host, port, args.kv_backend
-    )
-    print(f"READY decode {args.host}:{port}", flush=True)
-    try:
-        await server.wait_for_termination()
-    finally:
-        health_task.cancel()
-        kv.stop()
-        engine.shutdown()
+def _servicer(ctx: ServiceContext) -> DecodeServicer:
+    return DecodeServicer(ctx.engine, ctx.agent, ctx.instance_id, ctx.eos_ids, ctx.args, ctx.kv)
 
 
-def _make_agent(name: str, backend: str, core: EngineCore) -> Agent:
-    agent = Agent(name, backend)
-    agent.register_memory([core.runner.kv_cache])
-    return agent
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser("tandem decode", description="Run a decode service.")
-    add_engine_args(parser)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    parser.add_argument("--instance-id", default=None)
-    add_registry_args(parser)
-    parser.add_argument("--kv-backend", default="ucx", choices=["ucx", "inproc"])
+def build_parser():
+    parser = service_parser("decode")
     parser.add_argument("--prefill-timeout-s", type=float, default=60.0)
     parser.add_argument(
         "--kv-lease-s",
@@ -353,7 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+async def serve(args) -> None:
+    await run_service(
+        args, "decode", _servicer, decode_pb2_grpc.add_DecodeServicer_to_server, SERVICE_NAME
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    asyncio.run(serve(args))
+    service_main(build_parser(), serve, argv)

@@ -12,33 +12,26 @@ Lifecycle of one `Prefill` call:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import logging
 import time
-import uuid
 
 import grpc
 
 from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore
-from engine.internal_auth import server_interceptors
 from engine.kv_cache_manager import cdiv
-from engine.registry import add_registry_args
 from engine.request import Request
 from engine.scheduler import SchedulerFullError
+from engine.service_main import ServiceContext, run_service, service_main, service_parser
 from engine.serving import (
     KVPublishing,
-    add_engine_args,
     check_prompt,
-    engine_config_from_args,
     load_response,
     logprobs_to_proto,
     sampling_params_from_proto,
-    serve_health,
 )
-from engine.tokenizer import get_eos_token_ids, load_tokenizer
 from kv_transfer import Agent
 from prefill_svc.sender import KVSend, KVSender, SendState
 from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -163,6 +156,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             found |= await self.engine.call(self.core.abort_request, rid)
         return common_pb2.AbortResponse(found=found)
 
+    def metric_counters(self) -> dict[str, float]:
+        return {"kv_transfer_bytes": self.sender.total_bytes, "prefill_requests": self.num_requests}
+
     async def GetLoad(self, request, context):
         return load_response(
             self.core,
@@ -178,53 +174,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             yield batch
 
 
-async def serve(args: argparse.Namespace) -> None:
-    config = engine_config_from_args(args)
-    core = EngineCore(config)
-    engine = AsyncEngine(core)
-    instance_id = args.instance_id or f"prefill-{uuid.uuid4().hex[:8]}"
-    agent = await engine.call(_make_agent, instance_id, args.kv_backend, core)
-    tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
-    eos = get_eos_token_ids(tokenizer, config.model.generation_config)
-    server = grpc.aio.server(interceptors=server_interceptors())
-    kv = KVPublishing(engine, "prefill", instance_id, args.model)
-    servicer = PrefillServicer(
-        engine, agent, instance_id, eos, args.kv_lease_s, args.transfer_timeout_s, kv
+def _servicer(ctx: ServiceContext) -> PrefillServicer:
+    a = ctx.args
+    return PrefillServicer(
+        ctx.engine,
+        ctx.agent,
+        ctx.instance_id,
+        ctx.eos_ids,
+        a.kv_lease_s,
+        a.transfer_timeout_s,
+        ctx.kv,
     )
-    prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
-    health_task = await serve_health(server, SERVICE_NAME, engine)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
-    await server.start()
-    if args.redis_url:
-        await kv.start_redis(
-            args.redis_url, args.advertise_address or f"{args.host}:{port}", args.heartbeat_s
-        )
-    logger.info(
-        "Prefill %s serving on %s:%d (kv backend %s)", instance_id, args.host, port, args.kv_backend
-    )
-    print(f"READY prefill {args.host}:{port}", flush=True)
-    try:
-        await server.wait_for_termination()
-    finally:
-        health_task.cancel()
-        kv.stop()
-        engine.shutdown()
 
 
-def _make_agent(name: str, backend: str, core: EngineCore) -> Agent:
-    agent = Agent(name, backend)
-    agent.register_memory([core.runner.kv_cache])
-    return agent
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser("tandem prefill", description="Run a prefill service.")
-    add_engine_args(parser)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    parser.add_argument("--instance-id", default=None)
-    add_registry_args(parser)
-    parser.add_argument("--kv-backend", default="ucx", choices=["ucx", "inproc"])
+def build_parser():
+    parser = service_parser("prefill")
     parser.add_argument(
         "--kv-lease-s",
         type=float,
@@ -235,7 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+async def serve(args) -> None:
+    await run_service(
+        args, "prefill", _servicer, prefill_pb2_grpc.add_PrefillServicer_to_server, SERVICE_NAME
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    asyncio.run(serve(args))
+    service_main(build_parser(), serve, argv)

@@ -1,0 +1,107 @@
+"""Prometheus metrics of a prefill or decode service, on an internal port (never a public one).
+
+Names follow vLLM where the meaning is the same (`vllm:num_requests_running`, ...); Tandem's own
+are prefixed `tandem:`. Gauges and counters are read from the engine at scrape time (the
+scheduler and block pool are only read, and their sizes are single attribute reads); latency
+histograms are observed by the decode service as tokens stream.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+REGISTRY = CollectorRegistry()
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+TIME_TO_FIRST_TOKEN = Histogram(
+    "vllm:time_to_first_token_seconds",
+    "Time to first token (decode service).",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "vllm:inter_token_latency_seconds",
+    "Time between streamed tokens (decode service).",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+KV_TRANSFER_SECONDS = Histogram(
+    "tandem:kv_transfer_seconds",
+    "Prefill start to KV written at the decode side.",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+
+
+class EngineCollector(Collector):
+    def __init__(self, engine, servicer, role: str, instance_id: str):
+        self.engine, self.servicer = engine, servicer
+        self.labels = {
+            "role": role,
+            "instance": instance_id,
+            "model_name": engine.core.config.model.model,
+        }
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=list(self.labels))
+        g.add_metric(list(self.labels.values()), value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=list(self.labels))
+        c.add_metric(list(self.labels.values()), value)
+        return c
+
+    def collect(self):
+        s = self.engine.core.stats()
+        yield self._gauge(
+            "vllm:num_requests_running", "Requests in the running batch.", s.num_running
+        )
+        yield self._gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting
+        )
+        yield self._gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).", s.kv_cache_usage
+        )
+        yield self._counter("vllm:num_preemptions", "Preemptions by recompute.", s.num_preemptions)
+        yield self._counter(
+            "vllm:prefix_cache_queries", "Prefix-cache queries (tokens).", s.prefix_cache_queries
+        )
+        yield self._counter(
+            "vllm:prefix_cache_hits", "Prefix-cache hits (tokens).", s.prefix_cache_hits
+        )
+        yield self._gauge(
+            "tandem:engine_alive", "1 while the engine loop runs.", float(self.engine.is_alive)
+        )
+        for name, value in getattr(self.servicer, "metric_counters", lambda: {})().items():
+            yield self._counter(f"tandem:{name}", f"{name.replace('_', ' ')}.", value)
+
+
+def start_metrics_server(
+    engine, servicer, role: str, instance_id: str, host: str, port: int
+) -> int:
+    """Serve /metrics on host:port (0 = any free port); returns the bound port."""
+    REGISTRY.register(EngineCollector(engine, servicer, role, instance_id))
+    server, _ = start_http_server(port, addr=host, registry=REGISTRY)
+    return server.server_port

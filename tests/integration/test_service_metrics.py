@@ -1,0 +1,73 @@
+"""Services expose Prometheus metrics with vLLM's names on an internal port, updated by work."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+
+import httpx
+import pytest
+
+from engine.launcher import Cluster
+from engine.sampling_params import SamplingParams
+from tests.integration.services import ENGINE_FLAGS, collect, decode_stub, generate_request
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _value(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert m, f"{name} not exported"
+    return float(m.group(1))
+
+
+@pytest.fixture(scope="module")
+def services(tiny_qwen3_path):
+    ports = [_free_port(), _free_port()]
+    cluster = Cluster(log_prefix=False)
+    p = cluster.start(
+        "prefill", [str(tiny_qwen3_path), *ENGINE_FLAGS, "--metrics-port", str(ports[0])]
+    )
+    d = cluster.start(
+        "decode", [str(tiny_qwen3_path), *ENGINE_FLAGS, "--metrics-port", str(ports[1])]
+    )
+    yield p.address, d.address, ports
+    cluster.stop()
+
+
+def test_metrics_follow_the_work(services):
+    p_addr, d_addr, (p_port, d_port) = services
+    before_d = httpx.get(f"http://127.0.0.1:{d_port}/metrics").text
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prefix_cache_queries_total",
+    ):
+        _value(before_d, name)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompt = list(range(10, 60))
+
+    async def run():
+        stub = decode_stub(d_addr)
+        await collect(stub, generate_request("m1", prompt, params, [p_addr]))
+        await collect(stub, generate_request("m2", prompt + [1], params, [p_addr]))
+
+    asyncio.run(run())
+    after_d = httpx.get(f"http://127.0.0.1:{d_port}/metrics").text
+    after_p = httpx.get(f"http://127.0.0.1:{p_port}/metrics").text
+    assert _value(after_d, "vllm:time_to_first_token_seconds_count") == 2
+    assert _value(after_d, "vllm:inter_token_latency_seconds_count") == 8
+    assert _value(after_d, "tandem:num_remote_prefills_total") == 2
+    assert _value(after_p, "tandem:kv_transfer_bytes_total") > 0
+    assert _value(after_p, "vllm:prefix_cache_hits_total") >= 48  # 2nd prompt reuses 3 blocks
+    # Internal port only: the gRPC port does not serve it.
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://{d_addr}/metrics", timeout=2)
