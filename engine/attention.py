@@ -68,6 +68,8 @@ class TorchPagedAttention(AttentionBackend):
 
     def forward(self, q, k, v, kv_layer, meta, scale):
         write_kv(kv_layer, k, v, meta.slot_mapping)
+        if meta.max_query_len == 1 and meta.num_seqs > 1:
+            return _batched_decode(q, kv_layer, meta, scale)
         out = torch.empty_like(q)
         num_q_heads, num_kv_heads = q.shape[1], kv_layer.shape[3]
         bs = meta.block_size
@@ -83,15 +85,50 @@ class TorchPagedAttention(AttentionBackend):
         return out
 
 
-def _causal_attention(q, keys, values, scale, num_q_heads):
-    """q: [n, Hq, D] are the last n positions of a context of len(keys)."""
-    n, ctx = q.shape[0], keys.shape[0]
-    rep = num_q_heads // keys.shape[1]
-    keys = keys.to(q.dtype).repeat_interleave(rep, dim=1).transpose(0, 1)
-    values = values.to(q.dtype).repeat_interleave(rep, dim=1).transpose(0, 1)
-    q_pos = torch.arange(ctx - n, ctx).unsqueeze(1)
-    mask = torch.arange(ctx).unsqueeze(0) <= q_pos  # [n, ctx]
+def _batched_decode(q, kv_layer, meta, scale):
+    """One token per sequence: one SDPA call for the batch over contexts padded to the longest,
+    padding masked out (a masked key adds an exact 0 to the softmax sum and the output)."""
+    num_seqs, bs = meta.num_seqs, meta.block_size
+    max_len = meta.max_seq_len
+    num_blocks = -(-max_len // bs)
+    kv = kv_layer[meta.block_tables[:, :num_blocks].long()]  # [S, nb, 2, bs, H, D]
+    shape = (num_seqs, num_blocks * bs, kv.shape[-2], kv.shape[-1])
+    keys = kv[:, :, 0].reshape(shape)[:, :max_len].transpose(1, 2).to(q.dtype)
+    values = kv[:, :, 1].reshape(shape)[:, :max_len].transpose(1, 2).to(q.dtype)
+    lens = torch.tensor(meta.seq_lens_cpu, device=q.device)
+    mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys, values, attn_mask=mask.to(q.device), scale=scale
+        q[:, :, None, :],
+        keys,
+        values,
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=q.shape[1] != keys.shape[1],
+    )
+    return o[:, :, 0, :]
+
+
+def _causal_attention(q, keys, values, scale, num_q_heads):
+    """q: [n, Hq, D] are the last n positions of a context of len(keys).
+
+    The two common shapes take SDPA's mask-free paths, which are faster and are what
+    transformers itself runs: a whole prompt (`is_causal`) and one decode token (sees all)."""
+    n, ctx = q.shape[0], keys.shape[0]
+    keys = keys.to(q.dtype).transpose(0, 1)
+    values = values.to(q.dtype).transpose(0, 1)
+    mask, is_causal = None, False
+    if n == ctx:
+        is_causal = n > 1
+    elif n > 1:  # a chunk after a cached prefix: query i sees positions <= ctx - n + i
+        q_pos = torch.arange(ctx - n, ctx).unsqueeze(1)
+        mask = (torch.arange(ctx).unsqueeze(0) <= q_pos).to(q.device)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        keys,
+        values,
+        attn_mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=num_q_heads != keys.shape[0],
     )
     return o.transpose(0, 1)
