@@ -16,34 +16,28 @@ Lifecycle of one `Generate` stream:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import secrets
 import time
-import uuid
 
 import grpc
 
-from decode_svc.receiver import KVReceiver, TransferState
-from engine import internal_auth
+from decode_svc.receiver import KVReceiver
+from decode_svc.remote_prefill import RemotePrefill
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.engine_core import EngineCore
-from engine.kv_cache_manager import cdiv
-from engine.metrics import INTER_TOKEN_LATENCY, KV_TRANSFER_SECONDS, TIME_TO_FIRST_TOKEN
-from engine.request import Request, RequestStatus
+from engine.metrics import INTER_TOKEN_LATENCY, TIME_TO_FIRST_TOKEN
+from engine.request import Request
 from engine.scheduler import SchedulerFullError
 from engine.service_main import ServiceContext, run_service, service_main, service_parser
 from engine.serving import (
     KVPublishing,
     check_prompt,
     load_response,
-    logprobs_from_proto,
     logprobs_to_proto,
     sampling_params_from_proto,
-    sampling_params_to_proto,
 )
 from kv_transfer import Agent
-from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from protos import common_pb2, decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "tandem.v1.Decode"
@@ -71,20 +65,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.kv = kv
         self.core: EngineCore = engine.core
         self.agent = agent
-        self.agent_metadata = agent.get_agent_metadata()
         self.instance_id = instance_id
         self.eos_ids = frozenset(eos_ids)
-        self.prefill_timeout_s = args.prefill_timeout_s
-        self.lease_s = args.kv_lease_s
         self.receiver = KVReceiver(agent)
         engine.hooks.append(self.receiver.poll)
-        self._channels: dict[str, prefill_pb2_grpc.PrefillStub] = {}
         self.counters = {
             "num_requests_total": 0,
             "num_local_prefills": 0,
             "num_remote_prefills": 0,
             "kv_transfer_bytes": 0,
         }
+        self.remote = RemotePrefill(
+            engine, agent, self.receiver, args.prefill_timeout_s, args.kv_lease_s, self.counters
+        )
 
     # ---- Generate ------------------------------------------------------------------------
     async def Generate(self, request, context):
@@ -99,7 +92,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         num_out = 0
         try:
             if request.prefill:
-                stream = await self._remote_prefill(req, request, timings)
+                stream = await self.remote.run(req, request, timings)
             if stream is None:
                 timings.local_prefill = True
                 self.counters["num_local_prefills"] += 1
@@ -168,114 +161,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             priority=request.priority,
         )
 
-    # ---- remote prefill ------------------------------------------------------------------
-    async def _remote_prefill(self, req: Request, request, timings):
-        """An output stream once P has written the KV; None to prefill locally instead."""
-        bs = self.core.config.cache.block_size
-        loop = asyncio.get_running_loop()
-        for attempt, target in enumerate(request.prefill[:MAX_PREFILL_ATTEMPTS]):
-            alloc = await self.engine.call(self.core.allocate_for_remote_prefill, req)
-            if alloc is None:
-                raise SchedulerFullError("no free KV blocks for the prompt; retry elsewhere")
-            transfer_id = request.transfer_id or uuid.uuid4().hex
-            if attempt:
-                transfer_id += f"-retry{attempt}"
-            token = secrets.token_hex(16)
-            first_block = alloc.num_hit_tokens // bs
-            arrived = loop.create_future()
-            await self.engine.call(self.receiver.expect, transfer_id, token, loop, arrived)
-            msg = prefill_pb2.PrefillRequest(
-                request_id=req.request_id,
-                transfer_id=transfer_id,
-                prompt_token_ids=req.prompt_token_ids,
-                params=sampling_params_to_proto(req.sampling_params),
-                cache_salt=req.cache_salt or "",
-                target=common_pb2.KVTarget(
-                    agent_name=self.agent.name,
-                    agent_metadata=self.agent_metadata,
-                    block_ids=alloc.block_ids[first_block : cdiv(req.num_prompt_tokens, bs)],
-                    first_block=first_block,
-                    transfer_token=token,
-                ),
-            )
-            t0 = time.monotonic()
-            try:
-                resp = await self._stub(target.address).Prefill(msg, timeout=self.prefill_timeout_s)
-                await asyncio.wait_for(arrived, timeout=5.0)
-            except asyncio.CancelledError:
-                self._fail_transfer(req, transfer_id, acknowledged=False)
-                asyncio.ensure_future(self._abort_prefill(target.address, req.request_id))
-                raise
-            except (grpc.aio.AioRpcError, TimeoutError) as e:
-                ack = isinstance(e, grpc.aio.AioRpcError) and e.code() in _ACKNOWLEDGED
-                logger.warning(
-                    "Prefill %s on %s failed (%s); %s",
-                    transfer_id,
-                    target.address,
-                    _describe(e),
-                    "retrying" if attempt + 1 < len(request.prefill) else "prefilling locally",
-                )
-                self._fail_transfer(req, transfer_id, acknowledged=ack)
-                continue
-            self.receiver.set_state(transfer_id, TransferState.WRITTEN)
-            self.counters["num_remote_prefills"] += 1
-            self.counters["kv_transfer_bytes"] += resp.kv_transfer_bytes
-            timings.kv_transfer_s = resp.kv_transfer_s
-            KV_TRANSFER_SECONDS.observe(resp.kv_transfer_s)
-            timings.kv_transfer_bytes = resp.kv_transfer_bytes
-            timings.prefill_instance = target.instance_id or target.address
-            lp = (
-                logprobs_from_proto(resp.first_logprobs)
-                if resp.HasField("first_logprobs")
-                else None
-            )
-            logger.debug("Remote prefill %s took %.3f s", transfer_id, time.monotonic() - t0)
-
-            def add(r: Request, resp=resp, lp=lp, tid=transfer_id):
-                self.receiver.set_state(tid, TransferState.FINISHED)
-                return self.core.add_remote_prefilled(
-                    r, resp.first_token_id, lp, resp.num_cached_tokens
-                )
-
-            return self.engine.generate(req, add=add)
-        return None
-
-    def _fail_transfer(self, req: Request, transfer_id: str, acknowledged: bool) -> None:
-        """Quarantine the request's blocks; release now if P acknowledged, else at lease end."""
-
-        def quarantine() -> None:
-            self.receiver.forget(transfer_id)
-            self.receiver.set_state(transfer_id, TransferState.FAILED)
-            key = self.core.quarantine_blocks(req)
-            req.num_computed_tokens, req.status = 0, RequestStatus.WAITING
-            if acknowledged:
-                self.core.release_quarantine(key)
-            else:  # call_later is not thread-safe: schedule it from the loop's own thread
-                loop.call_soon_threadsafe(
-                    loop.call_later,
-                    self.lease_s,
-                    self.engine.submit,
-                    lambda: self.core.release_quarantine(key),
-                )
-
-        loop = asyncio.get_running_loop()
-        self.engine.submit(quarantine)
-
-    async def _abort_prefill(self, address: str, request_id: str) -> None:
-        try:
-            await self._stub(address).Abort(
-                common_pb2.AbortRequest(request_id=request_id), timeout=2.0
-            )
-        except grpc.aio.AioRpcError as e:
-            logger.info("Abort on prefill %s failed: %s", address, _describe(e))
-
-    def _stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
-        if address not in self._channels:
-            self._channels[address] = prefill_pb2_grpc.PrefillStub(
-                internal_auth.insecure_channel(address)
-            )
-        return self._channels[address]
-
     # ---- other RPCs ----------------------------------------------------------------------
     async def Abort(self, request, context):
         found = await self.engine.call(self.core.abort_request, request.request_id)
@@ -296,12 +181,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def WatchKVEvents(self, request, context):
         async for batch in self.kv.stream():
             yield batch
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, grpc.aio.AioRpcError):
-        return f"{e.code().name}: {e.details()}"
-    return f"{type(e).__name__}: no KV notification"
 
 
 def _servicer(ctx: ServiceContext) -> DecodeServicer:

@@ -18,26 +18,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine import LLM, SamplingParams
+from engine import LLM
+from engine.serving import sampling_params_from_proto
 from protos import common_pb2, decode_pb2, decode_pb2_grpc
 
-
-def params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty,
-        seed=p.seed if p.HasField("seed") else None,
-        max_tokens=p.max_tokens,
-        min_tokens=p.min_tokens,
-        stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs if p.HasField("logprobs") else None,
-    )
+# The services' own conversion: the fake must read requests exactly as a real decode does.
+params_from_proto = sampling_params_from_proto
 
 
 @dataclass
