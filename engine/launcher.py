@@ -134,8 +134,10 @@ def serve_main(argv: list[str] | None = None) -> int:
         # With Redis the services register themselves and the gateway discovers them there.
         redis = ["--redis-url", args.redis_url] if args.redis_url else []
         svc += redis
-        prefills = [cluster.start("prefill", svc) for _ in range(args.num_prefill)]
-        decodes = [cluster.start("decode", svc) for _ in range(args.num_decode)]
+        roles = ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
+        shares = gpu_memory_shares(args, argv, len(roles))
+        started = [cluster.start(role, svc + share) for role, share in zip(roles, shares)]
+        prefills, decodes = started[: args.num_prefill], started[args.num_prefill :]
         instances = redis or [
             "--decode",
             ",".join(c.address for c in decodes),
@@ -171,6 +173,29 @@ def serve_main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         cluster.stop()
+
+
+def gpu_memory_shares(args: argparse.Namespace, argv: list[str], n: int) -> list[list[str]]:
+    """Extra flags per service so that n services on one GPU split its memory.
+
+    Services start one after another and each sizes its KV cache from `gpu_memory_utilization`
+    x total minus everything already in use on the GPU (its own weights and activations and the
+    services started before it). Giving the i-th service the cumulative share (i + 1) / n of the
+    requested utilization therefore leaves each about 1 / n of it. Nothing changes on CPU or
+    when the user sized the KV cache explicitly.
+    """
+    explicit = ("--gpu-memory-utilization", "--kv-cache-memory-bytes", "--num-gpu-blocks-override")
+    on_gpu = args.device == "cuda" or (args.device == "auto" and _cuda_available())
+    if not on_gpu or any(a.split("=")[0] in explicit for a in argv):
+        return [[] for _ in range(n)]
+    util = args.gpu_memory_utilization
+    return [["--gpu-memory-utilization", f"{util * (i + 1) / n:.4f}"] for i in range(n)]
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _without(argv: list[str], flags) -> list[str]:
