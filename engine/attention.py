@@ -40,7 +40,8 @@ class AttentionBackend(ABC):
     """Contract: `forward` stores the new tokens' K/V at `slot_mapping` in the layer's cache,
     then returns causal attention of each sequence's queries over its whole context (cached
     prefix + new tokens) read through its block table. q: [T, Hq, D]; k, v: [T, Hkv, D];
-    returns [T, Hq, D]. Backends must not depend on tokens of other sequences in the batch."""
+    returns [T, Hq, D]. Backends must not depend on tokens of other sequences in the batch.
+    `kv_written=True`: the caller already stored K/V (the CUDA path fuses the store into RoPE)."""
 
     @abstractmethod
     def forward(
@@ -51,6 +52,7 @@ class AttentionBackend(ABC):
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,
     ) -> torch.Tensor: ...
 
 
@@ -66,8 +68,9 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 class TorchPagedAttention(AttentionBackend):
     """Reference backend: torch ops, one sequence at a time. CPU default and test oracle."""
 
-    def forward(self, q, k, v, kv_layer, meta, scale):
-        write_kv(kv_layer, k, v, meta.slot_mapping)
+    def forward(self, q, k, v, kv_layer, meta, scale, kv_written=False):
+        if not kv_written:
+            write_kv(kv_layer, k, v, meta.slot_mapping)
         if meta.max_query_len == 1 and meta.num_seqs > 1:
             return _batched_decode(q, kv_layer, meta, scale)
         out = torch.empty_like(q)

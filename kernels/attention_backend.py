@@ -40,8 +40,10 @@ class TritonPagedAttention(AttentionBackend):
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        kv_cache_write(k, v, kv_layer, meta.slot_mapping)
+        if not kv_written:
+            kv_cache_write(k, v, kv_layer, meta.slot_mapping)
         if meta.max_query_len == 1:
             assert q.shape[0] == meta.seq_lens.shape[0], "decode: one query row per sequence"
             max_seq_len = self.static_max_seq_len or meta.max_seq_len

@@ -6,14 +6,16 @@ of one `tl.dot`), so each K/V tile is read once per group, not once per q head. 
 through the block table token by token (a tile of BLOCK_N tokens spans several KV blocks), so
 tiles stay large even with block_size 16.
 
-When num_seqs * num_kv_heads programs cannot fill the GPU (small batches), the context is
-split into fixed-size partitions (flash-decoding): pass 1 writes each partition's running max,
-sum and unnormalised accumulator, pass 2 merges them. The grid and the partition size depend
-only on host-known static sizes (num_seqs, heads, a max_seq_len bound), never on device data:
+When num_seqs * num_kv_heads programs cannot fill the GPU (small batches), each context is
+split into partitions (flash-decoding): pass 1 writes each partition's running max, sum and
+unnormalised accumulator, pass 2 merges them. The grid (num_splits partitions per sequence)
+depends only on host-known sizes (num_seqs, heads, a max_seq_len bound), never on device data:
 the wrapper never syncs, and a CUDA graph captured with a static bound (max_model_len) replays
-unchanged as seq_lens grow. Partitions are sized from that bound / MAX_SPLITS but never below
-MIN_PARTITION_TOKENS, so a short context under a large bound still spreads over several
-programs; partitions past a sequence's end exit at once and the merge skips them.
+unchanged as seq_lens grow. Each program sizes its partition from its own sequence's length on
+the device: a sequence of L tokens uses min(num_splits, cdiv(L, BLOCK_N)) partitions of equal,
+BLOCK_N-aligned size, so a short context under a large bound still spreads over many programs
+(the earlier design sized partitions from the bound: batch 1 at 2,048 tokens under a 40,960
+bound ran 8 programs, 5% of copy bandwidth). Programs past a sequence's end exit at once.
 Padded batch rows (seq_len 0) produce zeros, not NaNs.
 """
 
@@ -28,8 +30,9 @@ import triton.language as tl
 from kernels.utils import check_kv_layer, dot_precision, num_sms
 
 LOG2E = 1.4426950408889634
-MIN_PARTITION_TOKENS = 512  # below this a partition's fixed cost outweighs the parallelism
 MAX_SPLITS = 64  # bounds the workspace and the merge's tile
+SPLIT_BLOCK_N = 64  # KV tokens per tile when splitting (partitions are multiples of it)
+SINGLE_BLOCK_N = 128  # and in single-pass programs, which stream long contexts
 
 
 @dataclass(frozen=True)
@@ -37,16 +40,16 @@ class DecodeConfig:
     """Launch knobs; `None` fields take the heuristics below. Benchmarks sweep them."""
 
     block_n: int | None = None  # KV tokens per tile
-    num_splits: int | None = None  # partitions of max_seq_len; 1 = single pass
+    num_splits: int | None = None  # max partitions per sequence; 1 = single pass
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int | None = None
 
 
 @triton.jit
 def _kernel(
     q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
-    partition_size,  # KV tokens per program along axis 2 (a multiple of BLOCK_N)
+    num_splits,  # programs along axis 2: the most partitions a sequence may use
     stride_qs, stride_qh,
     stride_kv_blk, stride_kv_kv, stride_kv_tok, stride_kv_h,
     stride_bt,
@@ -60,11 +63,15 @@ def _kernel(
     kvh = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = part * partition_size
     if IS_SPLIT:
+        psize = _partition_size(seq_len, num_splits, BLOCK_N)
+        start = part * psize
         if start >= seq_len:
             return  # past this sequence's end: the merge reads only partitions with tokens
-    end = tl.minimum(start + partition_size, seq_len)
+        end = tl.minimum(start + psize, seq_len)
+    else:
+        start = 0
+        end = seq_len
 
     offs_h = tl.arange(0, BLOCK_H)
     heads = kvh * GROUP + offs_h
@@ -120,16 +127,26 @@ def _kernel(
 
 
 @triton.jit
+def _partition_size(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens per partition of one sequence: min(num_splits, cdiv(L, BLOCK_N)) equal parts,
+    rounded up to BLOCK_N (never 0, so L = 0 gives no partition at all)."""
+    parts = tl.maximum(tl.minimum(num_splits, tl.cdiv(seq_len, BLOCK_N)), 1)
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, parts), BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
 def _reduce_kernel(
-    m_ptr, l_ptr, acc_ptr, out_ptr, seq_lens_ptr, partition_size, num_splits,
+    m_ptr, l_ptr, acc_ptr, out_ptr, seq_lens_ptr, num_splits,
     stride_ps, stride_ph, stride_os, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Merge the partitions of one (sequence, q head) that hold tokens: rescale each by
     exp2(m_p - max m). A sequence of length 0 has none and gets zeros."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    num_parts = tl.minimum(tl.cdiv(tl.load(seq_lens_ptr + seq), partition_size), num_splits)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_parts = tl.cdiv(seq_len, _partition_size(seq_len, num_splits, BLOCK_N))
     offs_p = tl.arange(0, BLOCK_P)
     mask_p = offs_p < num_parts
     offs_d = tl.arange(0, BLOCK_D)
@@ -153,16 +170,21 @@ def _reduce_kernel(
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
-    """1 when num_seqs * num_kv_heads programs already give ~4 per SM (or the context is one
-    partition); else as many partitions of >= MIN_PARTITION_TOKENS as the bound allows."""
-    if num_seqs * num_kv_heads >= 4 * sms:
+    """1 when num_seqs * num_kv_heads programs already cover every SM (the H200 sweep: 32
+    sequences x 8 kv heads of 4,096 tokens ran best unsplit, at 94% of copy bandwidth); else
+    enough partitions for ~2 programs per SM, at most MAX_SPLITS and at most one per
+    SPLIT_BLOCK_N tokens of the bound."""
+    programs = num_seqs * num_kv_heads
+    if programs >= sms:
         return 1
-    return max(1, min(triton.cdiv(max_seq_len, MIN_PARTITION_TOKENS), MAX_SPLITS))
+    wanted = triton.cdiv(2 * sms, programs)
+    return max(1, min(wanted, MAX_SPLITS, triton.cdiv(max(max_seq_len, 1), SPLIT_BLOCK_N)))
 
 
-def partition_tokens(max_seq_len: int, num_splits: int, block_n: int) -> int:
-    """Tokens per partition: num_splits of them cover max_seq_len; a multiple of block_n."""
-    return triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
+def partition_tokens(seq_len: int, num_splits: int, block_n: int) -> int:
+    """Host mirror of the kernel's `_partition_size` (tests and the benchmark use it)."""
+    parts = max(min(num_splits, triton.cdiv(seq_len, block_n)), 1)
+    return max(triton.cdiv(triton.cdiv(seq_len, parts), block_n), 1) * block_n
 
 
 @dataclass
@@ -215,13 +237,15 @@ def paged_decode_attention(
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
     group = num_q_heads // num_kv_heads
-    block_n = cfg.block_n or (64 if head_dim <= 128 else 32)
     num_splits = cfg.num_splits or choose_num_splits(
         num_seqs, num_kv_heads, max_seq_len, num_sms(q.device)
     )
     is_split = num_splits > 1
+    block_n = cfg.block_n or (SPLIT_BLOCK_N if is_split else SINGLE_BLOCK_N)
+    if head_dim > 128:
+        block_n = min(block_n, 32)  # keep the K and V tiles in shared memory
+    num_stages = cfg.num_stages or (2 if is_split else 3)
     if is_split:
-        partition_size = partition_tokens(max_seq_len, num_splits, block_n)
         ws = workspace or SplitWorkspace.allocate(
             num_seqs, num_q_heads, num_splits, head_dim, q.device
         )
@@ -229,13 +253,12 @@ def paged_decode_attention(
         assert m.shape == l_sum.shape == acc.shape[:3] and acc.shape[3] == head_dim
         assert m.shape[0] >= num_seqs and m.shape[1] == num_q_heads and m.shape[2] >= num_splits
         assert m.is_contiguous() and l_sum.is_contiguous() and acc.is_contiguous()
-    else:  # one partition covers the block table's whole capacity, whatever max_seq_len says
-        partition_size = block_tables.shape[1] * block_size
+    else:
         m = l_sum = acc = out  # unused by the single-pass kernel
     block_d = triton.next_power_of_2(head_dim)
     _kernel[(num_seqs, num_kv_heads, num_splits)](
         q, kv_layer, block_tables, seq_lens, out, m, l_sum, acc,
-        scale * LOG2E, partition_size,
+        scale * LOG2E, num_splits,
         q.stride(0), q.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         block_tables.stride(0),
@@ -244,12 +267,13 @@ def paged_decode_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         IS_SPLIT=is_split, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=num_stages,
     )  # fmt: skip
     if is_split:
         _reduce_kernel[(num_seqs, num_q_heads)](
-            m, l_sum, acc, out, seq_lens, partition_size, num_splits,
+            m, l_sum, acc, out, seq_lens, num_splits,
             m.stride(0), m.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_P=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_P=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
         )  # fmt: skip
     return out

@@ -6,6 +6,10 @@ already in the model dtype (`reference.build_cos_sin_cache` builds it bit-identi
 `RotaryEmbedding.cos_sin` in engine/models/layers.py). Every product and sum is rounded to the
 model dtype where transformers' `x * cos + rotate_half(x) * sin` rounds it, so bf16 results
 match the torch path. One program handles all heads of one token (q and k share its cos/sin).
+
+With `kv_layer` and `slot_mapping` it also stores the rotated K and the token's V into the paged
+KV cache (what `kv_cache.kv_cache_write` does): one kernel fewer per layer in decode, where the
+step is a few hundred tiny launches.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.utils import check_kv_layer
 
 
 @triton.jit
@@ -38,14 +44,18 @@ def _rope_heads(
     out2 = (f2 * cos).to(dtype).to(tl.float32) + (f1 * sin).to(dtype).to(tl.float32)
     tl.store(ptrs, out1.to(dtype), mask=mask)
     tl.store(ptrs + HALF, out2.to(dtype), mask=mask)
+    return out1.to(dtype), out2.to(dtype)
 
 
 @triton.jit
 def _kernel(
     positions_ptr, q_ptr, k_ptr, cache_ptr, q_norm_ptr, k_norm_ptr, eps,
     num_q_heads, num_kv_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
+    v_ptr, kv_ptr, slot_mapping_ptr, stride_vt, stride_vh,
+    stride_kv_blk, stride_kv_kv, stride_kv_tok, stride_kv_h,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t)
@@ -69,10 +79,30 @@ def _kernel(
         q_ptr + t * stride_qt, stride_qh, num_q_heads, cos, sin, qw1, qw2, eps,
         HALF, BLOCK_HQ, BLOCK_HALF, HAS_NORM,
     )  # fmt: skip
-    _rope_heads(
+    k1, k2 = _rope_heads(
         k_ptr + t * stride_kt, stride_kh, num_kv_heads, cos, sin, kw1, kw2, eps,
         HALF, BLOCK_HKV, BLOCK_HALF, HAS_NORM,
     )  # fmt: skip
+    if WRITE_KV:  # the paged store of kv_cache_write, from registers
+        slot = tl.load(slot_mapping_ptr + t)
+        offs_h = tl.arange(0, BLOCK_HKV)
+        mask = (offs_h[:, None] < num_kv_heads) & mask_d[None, :] & (slot >= 0)
+        safe_slot = tl.maximum(slot, 0)  # keep skipped rows' (masked) addresses in range
+        dst = (
+            kv_ptr
+            + (safe_slot // BLOCK_SIZE) * stride_kv_blk
+            + (safe_slot % BLOCK_SIZE) * stride_kv_tok
+            + offs_h[:, None] * stride_kv_h
+            + offs_d[None, :]
+        )
+        dt = kv_ptr.dtype.element_ty
+        tl.store(dst, k1.to(dt), mask=mask)
+        tl.store(dst + HALF, k2.to(dt), mask=mask)
+        src = v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+        v1 = tl.load(src, mask=mask)
+        v2 = tl.load(src + HALF, mask=mask)
+        tl.store(dst + stride_kv_kv, v1.to(dt), mask=mask)
+        tl.store(dst + stride_kv_kv + HALF, v2.to(dt), mask=mask)
 
 
 def rotary_embedding(
@@ -83,10 +113,17 @@ def rotary_embedding(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    v: torch.Tensor | None = None,
+    kv_layer: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place on q [T, Hq, D] and k [T, Hkv, D] (D contiguous; strided rows welcome, e.g.
     views of a packed qkv): optional per-head RMSNorm (Qwen3), then RoPE at positions [T]
-    (int64) from cos_sin_cache [max_pos, D]. Returns (q, k)."""
+    (int64) from cos_sin_cache [max_pos, D]. Returns (q, k).
+
+    With v [T, Hkv, D], kv_layer [num_blocks, 2, block_size, Hkv, D] and slot_mapping [T]
+    (int64, < 0 = skip) it also writes the rotated k and v into the cache, as
+    `kv_cache_write` would."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert k.shape == (num_tokens, num_kv_heads, head_dim) and head_dim % 2 == 0
@@ -100,6 +137,16 @@ def rotary_embedding(
     if has_norm:
         for w in (q_norm_weight, k_norm_weight):
             assert w.shape == (head_dim,) and w.dtype == q.dtype and w.is_contiguous()
+    write_kv = kv_layer is not None
+    assert write_kv == (v is not None) == (slot_mapping is not None), "v, cache, slots together"
+    if write_kv:
+        check_kv_layer(kv_layer)
+        assert v.shape == k.shape and v.stride(2) == 1, "v: [T, Hkv, D], D contiguous"
+        assert kv_layer.shape[3:] == (num_kv_heads, head_dim)
+        assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (num_tokens,)
+        assert slot_mapping.is_contiguous()
+    else:
+        v, kv_layer, slot_mapping = k, k.new_empty(0, 2, 1, 1, 1), positions
     if num_tokens == 0:
         return q, k
     half = head_dim // 2
@@ -108,8 +155,11 @@ def rotary_embedding(
         q_norm_weight if has_norm else q, k_norm_weight if has_norm else k, eps,
         num_q_heads, num_kv_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         cos_sin_cache.stride(0),
+        v, kv_layer, slot_mapping, v.stride(0), v.stride(1),
+        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         HALF=half, BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, num_warps=4,
+        BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, WRITE_KV=write_kv,
+        BLOCK_SIZE=kv_layer.shape[2], num_warps=4,
     )  # fmt: skip
     return q, k

@@ -30,7 +30,9 @@ _PACKED = {
 
 class DecoderForCausalLM(nn.Module):
     qk_norm: bool = False  # Qwen3 normalizes q and k per head before RoPE
-    use_fused_kernels: bool = True  # on CUDA; False runs the torch reference path there too
+    # None: the Triton path on CUDA, torch elsewhere; False: torch everywhere; True: Triton
+    # everywhere (CPU tests run it under TRITON_INTERPRET=1).
+    use_fused_kernels: bool | None = None
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
@@ -57,7 +59,8 @@ class DecoderForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        if x.is_cuda and self.use_fused_kernels:
+        fused = self.use_fused_kernels
+        if fused or (fused is None and x.is_cuda):
             return self._forward_fused(x, positions, kv_cache, meta, backend)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):

@@ -90,7 +90,8 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(-1, self.q_size))
 
     def forward_fused(self, x, positions, cos_sin_cache, kv_layer, meta, backend):
-        """CUDA: (q/k-norm +) RoPE in one in-place kernel over views of the qkv output."""
+        """CUDA: (q/k-norm +) RoPE and the KV-cache store in one kernel over views of the qkv
+        output; the backend then only attends."""
         from kernels.rotary import rotary_embedding
 
         qkv = self.qkv_proj(x)
@@ -98,19 +99,20 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            rotary_embedding(
-                positions,
-                q,
-                k,
-                cos_sin_cache,
-                self.q_norm.weight,
-                self.k_norm.weight,
-                self.q_norm.eps,
-            )
-        else:
-            rotary_embedding(positions, q, k, cos_sin_cache)
-        o = backend.forward(q, k, v, kv_layer, meta, self.scale)
+        has_norm = self.q_norm is not None
+        rotary_embedding(
+            positions,
+            q,
+            k,
+            cos_sin_cache,
+            self.q_norm.weight if has_norm else None,
+            self.k_norm.weight if has_norm else None,
+            self.q_norm.eps if has_norm else 1e-6,
+            v=v,
+            kv_layer=kv_layer,
+            slot_mapping=meta.slot_mapping,
+        )
+        o = backend.forward(q, k, v, kv_layer, meta, self.scale, kv_written=True)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

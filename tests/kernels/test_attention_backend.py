@@ -70,3 +70,19 @@ def test_engine_greedy_tokens_match_torch_backend(tiny_qwen3_path):
     for _ in range(2):  # fresh, then prefix hits
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expect
     assert 1 in calls and max(calls) > 1, "both kernels ran"
+
+
+def test_engine_fused_model_path_matches_torch_path(tiny_qwen3_path):
+    """The CUDA model path (Triton RMSNorm + residual, q/k-norm + RoPE with the KV store fused
+    in, SiLU-and-mul, Triton attention) run under the interpreter decodes the torch path's
+    greedy tokens, prefix hits included."""
+    if test_device().type != "cpu":
+        pytest.skip("the engine picks its own device; this is the CPU interpreter check")
+    prompts = [list(range(3, 24)), list(range(100, 135))]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    expect = [o.outputs[0].token_ids for o in LLM(str(tiny_qwen3_path)).generate(prompts, params)]
+    llm = LLM(str(tiny_qwen3_path))
+    llm.engine.runner.attn_backend = TritonPagedAttention(static_max_seq_len=4096)
+    llm.engine.runner.model.use_fused_kernels = True
+    for _ in range(2):  # fresh, then prefix hits
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expect

@@ -38,11 +38,15 @@ def compile_all() -> None:
         for split in (False, True):
             types = dict(ptrs, q_ptr=dt, kv_ptr=dt, out_ptr=dt, m_ptr="*fp32", l_ptr="*fp32",
                          acc_ptr="*fp32")  # fmt: skip
-            cx = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_N=64,
+            # The wrapper's defaults: 64-token tiles when split, 128 x 3 stages unsplit.
+            block_n, stages = (decode.SPLIT_BLOCK_N, 2) if split else (decode.SINGLE_BLOCK_N, 3)
+            cx = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_N=block_n,
                       BLOCK_D=128, IS_SPLIT=split, DOT_PRECISION=prec)  # fmt: skip
-            _compile(decode._kernel, types, cx)
+            shared = _compile(decode._kernel, types, cx, num_stages=stages)
+            assert shared <= H200_SHARED_BYTES, f"decode {cx} needs {shared} B of shared memory"
     types = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr=bf, seq_lens_ptr="*i32")
-    _compile(decode._reduce_kernel, types, dict(HEAD_DIM=128, BLOCK_P=8, BLOCK_D=128))
+    cx = dict(HEAD_DIM=128, BLOCK_N=64, BLOCK_P=64, BLOCK_D=128)
+    _compile(decode._reduce_kernel, types, cx)
     types = dict(ptrs, q_ptr=bf, kv_ptr=bf, out_ptr=bf, query_start_loc_ptr="*i32")
     for cfg in prefill_attention._configs():
         cx = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_D=128, DOT_PRECISION="tf32",
@@ -55,10 +59,13 @@ def compile_all() -> None:
         types = dict(x_ptr=bf, residual_ptr=bf, weight_ptr=bf, out_ptr=bf, eps="fp32")
         _compile(rms_norm._kernel, types, dict(HAS_RESIDUAL=has_residual, BLOCK=4096), 8)
     for has_norm in (False, True):
-        types = dict(positions_ptr="*i64", q_ptr=bf, k_ptr=bf, cache_ptr=bf, q_norm_ptr=bf,
-                     k_norm_ptr=bf, eps="fp32")  # fmt: skip
-        cx = dict(HALF=64, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=64, HAS_NORM=has_norm)
-        _compile(rotary._kernel, types, cx)
+        for write_kv in (False, True):
+            types = dict(positions_ptr="*i64", q_ptr=bf, k_ptr=bf, cache_ptr=bf, q_norm_ptr=bf,
+                         k_norm_ptr=bf, eps="fp32", v_ptr=bf, kv_ptr=bf,
+                         slot_mapping_ptr="*i64")  # fmt: skip
+            cx = dict(HALF=64, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=64, HAS_NORM=has_norm,
+                      WRITE_KV=write_kv, BLOCK_SIZE=16)  # fmt: skip
+            _compile(rotary._kernel, types, cx)
     _compile(activation._kernel, dict(x_ptr=bf, out_ptr=bf), dict(BLOCK=1024))
 
 

@@ -86,6 +86,24 @@ def test_rotary(with_norm):
     assert norm_rel_err(q, expect_q) <= TOL and norm_rel_err(k, expect_k) <= TOL
 
 
+def test_rotary_fused_kv_write():
+    """Real shapes, bf16: the cache gets exactly the rotated k (as left in place) and v."""
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, dtype=torch.float, device="cuda") / D))
+    cache = ref.build_cos_sin_cache(inv_freq, 8192, BF16)
+    t = 4096
+    positions = torch.randint(0, 8192, (t,), device="cuda")
+    q, k, v = packed_qkv(t, HQ, HKV, D, BF16, "cuda")
+    qw = (torch.rand(D, device="cuda") + 0.5).to(BF16)
+    kw = (torch.rand(D, device="cuda") + 0.5).to(BF16)
+    kv = torch.zeros(t // 16 + 2, 2, 2, 16, HKV, D, dtype=BF16, device="cuda")
+    slots = torch.randperm(t, device="cuda") + 16  # shuffled, never the null block
+    slots[::97] = -1
+    rotary_embedding(positions, q, k, cache, qw, kw, v=v, kv_layer=kv[:, 1], slot_mapping=slots)
+    expect = torch.zeros_like(kv)
+    ref.kv_cache_write(expect[:, 1], k, v, slots)
+    assert torch.equal(kv, expect)
+
+
 def test_silu_and_mul():
     x = torch.randn(4096, 2 * 12288, device="cuda").to(BF16)
     assert norm_rel_err(silu_and_mul(x), ref.silu_and_mul(x.float())) <= TOL

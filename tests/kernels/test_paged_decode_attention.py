@@ -50,10 +50,33 @@ def test_split_with_workspace_and_padding_rows():
 
 
 def test_choose_num_splits():
-    # Enough programs already: no split. Small batches: partitions of >= 512 tokens, <= 64 of
-    # them, sized from the static bound (a short context under a large bound still splits).
-    assert choose_num_splits(128, 8, 4096, sms=132) == 1
-    assert choose_num_splits(32, 8, 4096, sms=132) == 8
-    assert choose_num_splits(1, 8, 300, sms=132) == 1
-    assert choose_num_splits(1, 8, 40960, sms=132) == 64
+    # Enough programs to cover the SMs: no split. Small batches: ~2 programs per SM, at most
+    # 64 partitions and at most one per 64 tokens of the bound.
+    assert choose_num_splits(32, 8, 4096, sms=132) == 1
+    assert choose_num_splits(16, 8, 4096, sms=132) == 3
+    assert choose_num_splits(1, 8, 40960, sms=132) == 33
+    assert choose_num_splits(1, 1, 40960, sms=132) == 64
+    assert choose_num_splits(1, 8, 100, sms=132) == 2
+    # Each sequence splits by its own length, not by the bound: 512 tokens -> 8 x 64.
+    assert partition_tokens(512, 33, block_n=64) == 64
     assert partition_tokens(40960, 64, block_n=64) == 640
+    assert partition_tokens(33, 3, block_n=16) == 16
+    assert partition_tokens(0, 8, block_n=64) == 64  # no partition holds a token
+
+
+def test_short_context_under_large_bound_spreads():
+    """Batch 1, 40 tokens under a bound of 4096: the sequence's own length sets the
+    partitions (3 of 16 tokens with block_n 16), and the result still matches."""
+    dev = test_device()
+    _, kv_layer, tables = make_paged_kv([40], 2, HEAD_DIM, BLOCK_SIZE, device=dev)
+    seq_lens = torch.tensor([40], dtype=torch.int32, device=dev)
+    q = torch.randn(1, 4, HEAD_DIM, device=dev)
+    ws = SplitWorkspace.allocate(1, 4, 64, HEAD_DIM, dev)
+    ws.row_max.fill_(float("nan"))  # partitions past the end must never be read
+    cfg = DecodeConfig(block_n=16, num_splits=64)
+    out = paged_decode_attention(
+        q, kv_layer, tables, seq_lens, SCALE, max_seq_len=4096, workspace=ws, config=cfg
+    )
+    assert torch.isfinite(ws.row_max[0, :, :3]).all()  # partitions 0..2 written
+    assert torch.isnan(ws.row_max[0, :, 3:]).all()  # the rest exited at once
+    assert max_rel_err(out, ref.decode_attention(q, kv_layer, tables, seq_lens, SCALE)) <= 1e-5
