@@ -66,7 +66,9 @@ def test_fused_kv_write_matches_rope_then_write(with_norm):
     slots = torch.tensor([13, 5, -1, 22, 7, 23], dtype=torch.int64, device=dev)
     expect_q, expect_k = ref.rotary(q, k, positions, cache, qw, kw, EPS)
     ref.kv_cache_write(expect_kv[:, 1], expect_k, v, slots)
-    rotary_embedding(positions, q, k, cache, qw, kw, EPS, v=v, kv_layer=kv[:, 1], slot_mapping=slots)
+    rotary_embedding(
+        positions, q, k, cache, qw, kw, EPS, v=v, kv_layer=kv[:, 1], slot_mapping=slots
+    )
     assert max_rel_err(q, expect_q) <= 1e-5
     assert max_rel_err(k, expect_k) <= 1e-5
     assert max_rel_err(kv, expect_kv) <= 1e-5
