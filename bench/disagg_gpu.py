@@ -65,16 +65,24 @@ async def measure(p_addr: str, d_addr: str, n: int) -> dict:
     same: list[bool] = []
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     ttft = {"remote": [], "local": []}
+    parts = ("remote_setup_s", "remote_rpc_s", "remote_compute_s", "remote_server_s", "kv_wait_s")
+    breakdown: dict[str, list[float]] = {k: [] for k in ("prefill_s", *parts)}
+    local_prefill_s = []
     prompts = random_prompts(2 * n + 2, 2048, 11)
     for i in range(n + 1):  # first pair warms up
         for kind, prompt in (("remote", prompts[2 * i]), ("local", prompts[2 * i + 1])):
             t = time.perf_counter()
-            await collect(
+            _, final, _ = await collect(
                 stub,
                 generate_request(f"t-{kind}{i}", prompt, one, [p_addr] if kind == "remote" else []),
             )
             if i:
                 ttft[kind].append(time.perf_counter() - t)
+                if kind == "remote":
+                    for k in breakdown:
+                        breakdown[k].append(getattr(final.timings, k))
+                else:
+                    local_prefill_s.append(final.timings.prefill_s)
     load_d, load_p = await get_load(stub), await get_load(prefill_stub(p_addr))
     remote_ms = statistics.median(ttft["remote"]) * 1e3
     local_ms = statistics.median(ttft["local"]) * 1e3
@@ -83,6 +91,9 @@ async def measure(p_addr: str, d_addr: str, n: int) -> dict:
         "ttft_remote_ms": remote_ms,
         "ttft_local_ms": local_ms,
         "overhead": remote_ms / local_ms - 1,
+        # Medians, ms: D's own prefill_s for a local prompt, and where a remote one's went.
+        "local_prefill_ms": statistics.median(local_prefill_s) * 1e3,
+        "remote_breakdown_ms": {k: statistics.median(v) * 1e3 for k, v in breakdown.items()},
         "kv_backend": load_d.kv_backend,
         "kv_transfer_bytes": load_p.kv_transfer_bytes,
         "remote_prefills": load_d.num_remote_prefills,

@@ -62,6 +62,7 @@ class RemotePrefill:
         """An output stream once P has written the KV; None to prefill locally instead."""
         bs = self.core.config.cache.block_size
         loop = asyncio.get_running_loop()
+        received = time.monotonic()
         for attempt, target in enumerate(request.prefill[:MAX_PREFILL_ATTEMPTS]):
             alloc = await self.engine.call(self.core.allocate_for_remote_prefill, req)
             if alloc is None:
@@ -90,6 +91,7 @@ class RemotePrefill:
             t0 = time.monotonic()
             try:
                 resp = await self._stub(target.address).Prefill(msg, timeout=self.prefill_timeout_s)
+                t1 = time.monotonic()
                 await asyncio.wait_for(arrived, timeout=5.0)
             except asyncio.CancelledError:
                 self._fail_transfer(req, transfer_id, acknowledged=False)
@@ -113,6 +115,11 @@ class RemotePrefill:
             KV_TRANSFER_SECONDS.observe(resp.kv_transfer_s)
             timings.kv_transfer_bytes = resp.kv_transfer_bytes
             timings.prefill_instance = target.instance_id or target.address
+            timings.remote_setup_s = t0 - received
+            timings.remote_rpc_s = t1 - t0
+            timings.remote_compute_s = resp.compute_s
+            timings.remote_server_s = resp.server_s
+            timings.kv_wait_s = time.monotonic() - t1
             lp = (
                 logprobs_from_proto(resp.first_logprobs)
                 if resp.HasField("first_logprobs")

@@ -31,6 +31,11 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
+    """Static inputs live in one int64 device buffer per graph size, laid out
+    [input ids | positions | slots | seq_lens | block tables (bs x max_blocks_per_seq)]; a
+    step fills the matching pinned host buffer and copies it with one H2D copy, then replays
+    (the int32 views the kernels read are converted inside the graph)."""
+
     def __init__(
         self,
         model,
@@ -44,44 +49,52 @@ class DecodeGraphs:
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
         self.block_size = block_size
         self.max_model_len = max_model_len
+        self.max_blocks = max_blocks_per_seq
         dev = kv_cache.device
         self.max_bs = max_num_seqs
-        self.input_ids = torch.zeros(max_num_seqs, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(max_num_seqs, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((max_num_seqs,), -1, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(max_num_seqs, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(
-            max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=dev
-        )
+        size = max_num_seqs * (4 + max_blocks_per_seq)
+        self.static = torch.zeros(size, dtype=torch.int64, device=dev)
+        # Two host buffers, used in turn: a step never writes the one the last copy may read.
+        self.host = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self.host_np = [h.numpy() for h in self.host]
+        self._turn = 0
         self.query_start_loc = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs],
+    def _size(self, bs: int) -> int:
+        return bs * (4 + self.max_blocks)
+
+    def _inputs(self, bs: int):
+        """Views of the static buffer for graph size bs: ids, positions, slots, seq_lens,
+        block tables (int64)."""
+        s = self.static
+        tables = s[4 * bs : self._size(bs)].view(bs, self.max_blocks)
+        return s[:bs], s[bs : 2 * bs], s[2 * bs : 3 * bs], s[3 * bs : 4 * bs], tables
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        """Logits of every row: the int32 casts and the LM head are part of the graph."""
+        ids, positions, slots, lens, tables = self._inputs(bs)
+        meta = AttentionMetadata(
+            slot_mapping=slots,
             query_start_loc=self.query_start_loc[: bs + 1],
-            seq_lens=self.seq_lens[:bs],
-            block_tables=self.block_tables[:bs],
+            seq_lens=lens.to(torch.int32),
+            block_tables=tables.to(torch.int32),
             query_start_loc_cpu=[],  # graph-safe backends never read host copies
             seq_lens_cpu=[],
             block_size=self.block_size,
             max_query_len=1,
             max_seq_len=self.max_model_len,
         )
-
-    def _forward(self, bs: int) -> torch.Tensor:
-        """Logits of every row: the LM head is part of the graph."""
-        hidden = self.model(
-            self.input_ids[:bs], self.positions[:bs], self.kv_cache, self._meta(bs), self.backend
-        )
+        hidden = self.model(ids, positions, self.kv_cache, meta, self.backend)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self, sizes: list[int]) -> None:
         start = time.perf_counter()
         for bs in sorted(sizes, reverse=True):
+            self._fill_padding(bs, 0)
             self._forward(bs)  # warm up: Triton compiles, cuBLAS picks algorithms
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -99,30 +112,50 @@ class DecodeGraphs:
             time.perf_counter() - start,
         )
 
+    def _fill_padding(self, bs: int, n: int) -> None:
+        """Rows n..bs of the static inputs: no KV write (slot -1), one token of the null block
+        (seq_len 1, block 0), so padding never touches a real request's KV."""
+        ids, positions, slots, lens, tables = self._inputs(bs)
+        ids[n:].zero_()
+        positions[n:].zero_()
+        slots[n:].fill_(-1)
+        lens[n:].fill_(1)
+        tables[n:].zero_()
+
     def graph_size(self, n: int) -> int | None:
         return min((s for s in self.graphs if s >= n), default=None)
 
     def run(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        seq_lens: torch.Tensor,
-        block_tables: torch.Tensor,
+        input_ids: list[int],
+        positions: list[int],
+        slot_mapping: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
     ) -> torch.Tensor:
-        """Inputs are device tensors of the n real rows; returns fp32 logits [n, vocab]."""
-        n = input_ids.shape[0]
+        """Host lists of the n real rows (a block table may run past its sequence's blocks);
+        returns fp32 logits [n, vocab] (a view of the graph's output)."""
+        n = len(input_ids)
         bs = self.graph_size(n)
         assert bs is not None
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(slot_mapping)
-        self.seq_lens[:n].copy_(seq_lens)
-        width = block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(block_tables)
-        if bs > n:  # padding rows: no write, one token of the null block
-            self.slot_mapping[n:bs].fill_(-1)
-            self.seq_lens[n:bs].fill_(1)
-            self.block_tables[n:bs, 0].fill_(0)
+        h = self.host_np[self._turn]
+        self._turn ^= 1
+        h[:n] = input_ids
+        h[n:bs] = 0
+        h[bs : bs + n] = positions
+        h[bs + n : 2 * bs] = 0
+        h[2 * bs : 2 * bs + n] = slot_mapping
+        h[2 * bs + n : 3 * bs] = -1
+        h[3 * bs : 3 * bs + n] = seq_lens
+        h[3 * bs + n : 4 * bs] = 1
+        tables = h[4 * bs : self._size(bs)].reshape(bs, self.max_blocks)
+        bsz = self.block_size
+        for i, t in enumerate(block_tables):
+            k = -(-seq_lens[i] // bsz)
+            tables[i, :k] = t[:k]
+        # Entries past a row's blocks are never read; padding rows read entry 0 only.
+        tables[n:bs, 0] = 0
+        size = self._size(bs)
+        self.static[:size].copy_(self.host[self._turn ^ 1][:size], non_blocking=True)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

@@ -149,7 +149,7 @@ class EngineCore:
         hits, num_hit = self.kv.get_computed_blocks(request)
         if not self.kv.allocate_slots(request, request.num_tokens - num_hit, hits):
             return None
-        return RemotePrefillAllocation(self.kv.get_block_ids(request.request_id), num_hit)
+        return RemotePrefillAllocation(list(self.kv.get_block_ids(request.request_id)), num_hit)
 
     def add_remote_prefilled(
         self,

@@ -36,6 +36,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_block_ids: dict[str, list[int]] = {}  # the same, as ids: read every step
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
         self.quarantined: dict[str, list[KVCacheBlock]] = {}
@@ -49,7 +50,9 @@ class KVCacheManager:
         return self.pool.usage()
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+        """The request's block ids in order. The manager's own list: read it, do not keep it
+        across steps or change it."""
+        return self.req_to_block_ids.get(request_id, [])
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of leading full blocks already in the cache, and its token count.
@@ -94,9 +97,13 @@ class KVCacheManager:
                 del self.req_to_blocks[request.request_id]
             return False
         self.pool.touch(new_computed_blocks)
+        ids = self.req_to_block_ids.setdefault(request.request_id, [])
         blocks.extend(new_computed_blocks)
+        ids.extend(b.block_id for b in new_computed_blocks)
         if num_new_blocks > 0:
-            blocks.extend(self.pool.get_new_blocks(num_new_blocks))
+            new_blocks = self.pool.get_new_blocks(num_new_blocks)
+            blocks.extend(new_blocks)
+            ids.extend(b.block_id for b in new_blocks)
         self.num_cached_blocks.setdefault(request.request_id, len(new_computed_blocks))
         return True
 
@@ -116,6 +123,7 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
@@ -123,6 +131,7 @@ class KVCacheManager:
         """Move a request's blocks aside, still referenced, under a new key."""
         key = f"quarantine-{request_id}-{next(self._quarantine_ids)}"
         self.quarantined[key] = self.req_to_blocks.pop(request_id, [])
+        self.req_to_block_ids.pop(request_id, None)
         self.num_cached_blocks.pop(request_id, None)
         return key
 

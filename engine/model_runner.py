@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
@@ -199,65 +200,72 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
-        input_ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
+        bs = self.block_size
+        input_ids, qsl, seq_lens, tables = [], [0], [], []
+        pos_parts, slot_parts = [], []
         for s in sched.scheduled:
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
             block_ids = kv.get_block_ids(r.request_id)
-            assert len(block_ids) * self.block_size >= end, "runner got too few blocks"
-            input_ids.extend(r.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(
-                block_ids[p // self.block_size] * self.block_size + p % self.block_size
-                for p in range(start, end)
-            )
+            assert len(block_ids) * bs >= end, "runner got too few blocks"
+            input_ids.extend(r.token_ids(start, end))
+            if s.num_new_tokens == 1:  # decode rows: no arrays for one token
+                pos_parts.append(start)
+                slot_parts.append(block_ids[start // bs] * bs + start % bs)
+            else:
+                pos = np.arange(start, end, dtype=np.int64)
+                pos_parts.append(pos)
+                slot_parts.append(np.asarray(block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
             qsl.append(qsl[-1] + s.num_new_tokens)
             seq_lens.append(end)
-            tables.append(block_ids[: cdiv(end, self.block_size)])
-        width = max(len(t) for t in tables)
+            tables.append(block_ids)  # may run past cdiv(end, bs): readers slice
         n_tok, n_seq = len(input_ids), len(seq_lens)
+        max_query_len = max(s.num_new_tokens for s in sched.scheduled)
+        if max_query_len == 1 and self.graphs and self.graphs.graph_size(n_seq):
+            # Decode batch: one copy into the graph's static inputs, one replay.
+            logits = self.graphs.run(input_ids, pos_parts, slot_parts, seq_lens, tables)
+            out = ModelRunnerOutput()
+            self._sample(sched, None, qsl, out, logits)
+            return out
+        positions = np.hstack(pos_parts)
+        slots = np.hstack(slot_parts)
+        width = max(cdiv(n, bs) for n in seq_lens)
         # One host buffer, one copy: [ids | positions | slots | seq_lens | qsl | tables].
-        host = torch.tensor(
-            input_ids
-            + positions
-            + slots
-            + seq_lens
-            + qsl
-            + [b for t in tables for b in t + [0] * (width - len(t))],
-            dtype=torch.int64,
-        )
+        o = 3 * n_tok + 2 * n_seq + 1
+        host = np.zeros(o + n_seq * width, dtype=np.int64)
+        host[:n_tok] = input_ids
+        host[n_tok : 2 * n_tok] = positions
+        host[2 * n_tok : 3 * n_tok] = slots
+        host[3 * n_tok : 3 * n_tok + n_seq] = seq_lens
+        host[3 * n_tok + n_seq : o] = qsl
+        table_view = host[o:].reshape(n_seq, width)
+        for i, t in enumerate(tables):
+            table_view[i, : cdiv(seq_lens[i], bs)] = t[: cdiv(seq_lens[i], bs)]
+        host_t = torch.from_numpy(host)
         dev = (
-            host
+            host_t
             if self.device.type == "cpu"
-            else host.pin_memory().to(self.device, non_blocking=True)
+            else host_t.pin_memory().to(self.device, non_blocking=True)
         )
         ids_t, pos_t, slots_t = dev[:n_tok], dev[n_tok : 2 * n_tok], dev[2 * n_tok : 3 * n_tok]
-        o = 3 * n_tok
-        lens_t = dev[o : o + n_seq].to(torch.int32)
-        qsl_t = dev[o + n_seq : o + 2 * n_seq + 1].to(torch.int32)
-        tables_t = dev[o + 2 * n_seq + 1 :].view(n_seq, width).to(torch.int32)
-        max_query_len = max(s.num_new_tokens for s in sched.scheduled)
-        logits = None
-        if max_query_len == 1 and self.graphs and self.graphs.graph_size(n_seq):
-            logits = self.graphs.run(ids_t, pos_t, slots_t, lens_t, tables_t)
-            hidden = None
-        else:
-            meta = AttentionMetadata(
-                slot_mapping=slots_t,
-                query_start_loc=qsl_t,
-                seq_lens=lens_t,
-                block_tables=tables_t,
-                query_start_loc_cpu=qsl,
-                seq_lens_cpu=seq_lens,
-                block_size=self.block_size,
-                max_query_len=max_query_len,
-                max_seq_len=max(seq_lens),
-            )
-            hidden = self._forward(ids_t, pos_t, meta)
+        lens_t = dev[3 * n_tok : 3 * n_tok + n_seq].to(torch.int32)
+        qsl_t = dev[3 * n_tok + n_seq : o].to(torch.int32)
+        tables_t = dev[o:].view(n_seq, width).to(torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=slots_t,
+            query_start_loc=qsl_t,
+            seq_lens=lens_t,
+            block_tables=tables_t,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            block_size=self.block_size,
+            max_query_len=max_query_len,
+            max_seq_len=max(seq_lens),
+        )
+        hidden = self._forward(ids_t, pos_t, meta)
         out = ModelRunnerOutput()
-        if hidden is not None:
-            self._prompt_logprobs(sched, hidden, qsl, out)
-        self._sample(sched, hidden, qsl, out, logits)
+        self._prompt_logprobs(sched, hidden, qsl, out)
+        self._sample(sched, hidden, qsl, out)
         return out
 
     def _forward(self, input_ids, positions, meta) -> torch.Tensor:

@@ -72,6 +72,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without concatenating the whole sequence (the model
+        runner's per-step read: a decode row needs one token of a long prompt + output)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

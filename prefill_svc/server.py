@@ -64,6 +64,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.num_requests = 0
 
     async def Prefill(self, request, context):
+        received = time.monotonic()
         try:
             req, send = self._parse(request)
         except ValueError as e:
@@ -78,9 +79,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.sender.start(send)
 
         first = None
+        compute_s = 0.0
         try:
             async for out in self.engine.generate(req, add=add):
                 first = out
+                compute_s = time.monotonic() - received
         except SchedulerFullError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:  # validation inside the engine
@@ -98,6 +101,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             kv_transfer_bytes=send.num_bytes,
             kv_transfer_s=time.monotonic() - send.start_time,
             num_descriptors=send.num_descs,
+            compute_s=compute_s,
+            server_s=time.monotonic() - received,
         )
 
     def _parse(self, request) -> tuple[Request, KVSend]:

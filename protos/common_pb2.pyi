@@ -56,20 +56,30 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "local_prefill", "prefill_instance")
+    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "local_prefill", "prefill_instance", "remote_setup_s", "remote_rpc_s", "remote_compute_s", "remote_server_s", "kv_wait_s")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     PREFILL_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_SETUP_S_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_RPC_S_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_SERVER_S_FIELD_NUMBER: _ClassVar[int]
+    KV_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     kv_transfer_s: float
     kv_transfer_bytes: int
     local_prefill: bool
     prefill_instance: str
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., prefill_instance: _Optional[str] = ...) -> None: ...
+    remote_setup_s: float
+    remote_rpc_s: float
+    remote_compute_s: float
+    remote_server_s: float
+    kv_wait_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., prefill_instance: _Optional[str] = ..., remote_setup_s: _Optional[float] = ..., remote_rpc_s: _Optional[float] = ..., remote_compute_s: _Optional[float] = ..., remote_server_s: _Optional[float] = ..., kv_wait_s: _Optional[float] = ...) -> None: ...
 
 class KVTarget(_message.Message):
     __slots__ = ("agent_name", "agent_metadata", "block_ids", "first_block", "transfer_token")
