@@ -3,7 +3,8 @@ same run. Random weights (`load_format="dummy"`), Qwen3-0.6B and Qwen3-8B shapes
 
 Measured:
 - ceilings: device-to-device copy (bytes read + written / s) and an 8192^3 bf16 matmul;
-- decode TPOT at batch 1, context 512 (median engine step, CUDA graphs), and the floor
+- decode TPOT at batch 1, context 512 (engine steps back to back, CUDA graphs, async
+  scheduling), and the floor
   (weight + KV bytes) / copy bandwidth;
 - Qwen3-8B decode step at batch 64, context 1024, vs max(memory floor, compute floor);
 - Qwen3-8B prefill of one 4096-token prompt: achieved TFLOP/s (GEMMs + causal attention);
@@ -91,20 +92,26 @@ def ceilings() -> dict:
     return {"copy_GBps": copy_gbs, "matmul_bf16_TFLOPs": tflops}
 
 
-def step_times(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[float]]:
-    """(first step = prefill s, decode step durations s) driving the core directly."""
+def step_times(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
+    """(TTFT s, mean s per output token after the first) of a batch run alone, driving the
+    core as the engine loop does: steps back to back, no synchronization between them (async
+    scheduling overlaps the host's work for step N+1 with the GPU's step N)."""
     core = llm.engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         core.add_request(Request(f"b{time.monotonic_ns()}-{i}", p, params))
-    times = []
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    first = last = None
     while core.has_unfinished_requests():
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        core.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return times[0], times[1:]
+        outs = core.step()
+        if outs:
+            now = time.perf_counter()
+            first = first or now
+            last = now
+    ttft = first - start
+    tpot = (last - first) / (max_tokens - 1) if max_tokens > 1 else 0.0
+    return ttft, tpot
 
 
 def random_prompts(n: int, length: int, seed: int = 0, vocab: int = 150000) -> list[list[int]]:
@@ -161,8 +168,7 @@ def bench_model(name: str, path: Path, ceil: dict, args) -> dict:
     wb, n_params = weight_bytes(llm), param_count(llm)
     res["weight_GB"] = wb / 1e9
     step_times(llm, random_prompts(2, 64, 99), 8)  # warm-up
-    ttft, dec = step_times(llm, random_prompts(1, 512), 128)
-    tpot = statistics.median(dec)
+    ttft, tpot = step_times(llm, random_prompts(1, 512), 128)
     floor = (wb + 640 * kv_tok) / copy_bps
     res["b1_ctx512"] = {
         "ttft_ms": ttft * 1e3,
@@ -171,8 +177,7 @@ def bench_model(name: str, path: Path, ceil: dict, args) -> dict:
         "tpot_over_floor": tpot / floor,
     }
     if name == "qwen3-8b":
-        _, dec = step_times(llm, random_prompts(64, 1024, 1), 16)
-        step = statistics.median(dec[2:])
+        _, step = step_times(llm, random_prompts(64, 1024, 1), 32)
         mem = (wb + 64 * 1032 * kv_tok) / copy_bps
         comp = 2 * n_params * 64 / (ceil["matmul_bf16_TFLOPs"] * 1e12)
         res["b64_ctx1024"] = {
@@ -218,7 +223,7 @@ def offline(path: Path, n: int, max_num_seqs: int, max_batched: int, n_params: i
         gpu_memory_utilization=0.9,
     )
     runner = llm.engine.runner
-    execute, trace = runner.execute, []
+    execute, launch, trace = runner.execute, runner.launch_decode, []
 
     def timed(sched, kv):
         t = time.perf_counter()
@@ -227,7 +232,13 @@ def offline(path: Path, n: int, max_num_seqs: int, max_batched: int, n_params: i
         trace.append((max(new) == 1, len(new), sum(new), time.perf_counter() - t))
         return out
 
-    runner.execute = timed
+    def launched(sched, kv, prev):  # host time only: the GPU runs on
+        t = time.perf_counter()
+        out = launch(sched, kv, prev)
+        trace.append(("async", len(sched.scheduled), len(sched.scheduled), time.perf_counter() - t))
+        return out
+
+    runner.execute, runner.launch_decode = timed, launched
     llm.generate(random_prompts(64, 512, 4), SamplingParams(temperature=0, max_tokens=8))
     trace.clear()
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
@@ -239,7 +250,7 @@ def offline(path: Path, n: int, max_num_seqs: int, max_batched: int, n_params: i
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     floor_s = 2 * n_params * n * (512 + 128) / (ceil["matmul_bf16_TFLOPs"] * 1e12)
     kinds = {}
-    for kind, is_decode in (("decode_only", True), ("mixed", False)):
+    for kind, is_decode in (("decode_only", True), ("mixed", False), ("async_decode", "async")):
         rows = [r for r in trace if r[0] == is_decode]
         kinds[kind] = {
             "steps": len(rows),

@@ -122,6 +122,7 @@ def bench_decode(tiny, device, dtype, time_s, ceiling, sweep) -> list[dict]:
     for i, (s, ctx, hq, hkv, d, bs, bound) in enumerate(shapes):
         run, kv_bytes = decode_case(s, ctx, hq, hkv, d, bs, bound, dtype, device)
         name = f"decode S={s} ctx={ctx} {hq}/{hkv}h d={d} bs={bs} bound={bound}"
+        print(name, flush=True)
         t = time_s(run)
         rows.append(_row(name, kv_bytes, t, ceiling, config="heuristic", headline=i == 0))
         if sweep and i in swept:

@@ -157,6 +157,9 @@ class SchedulerConfig:
     max_num_queued_tokens: int | None = None
     policy: str = "fcfs"
     enable_chunked_prefill: bool = True
+    # Launch decode step N+1 before reading step N's tokens (steady greedy decode under CUDA
+    # graphs): the host's scheduling and output work overlaps the GPU. None: on with graphs.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -204,6 +207,7 @@ class EngineConfig:
         max_num_queued_tokens: int | None = None,
         scheduling_policy: str = "fcfs",
         enable_chunked_prefill: bool = True,
+        async_scheduling: bool | None = None,
         load_format: str = "auto",
         enforce_eager: bool = False,
         generation_config: str = "auto",
@@ -259,5 +263,6 @@ class EngineConfig:
             max_num_queued_tokens=max_num_queued_tokens,
             policy=scheduling_policy,
             enable_chunked_prefill=enable_chunked_prefill,
+            async_scheduling=async_scheduling,
         )
         return cls(model_config, cache_config, scheduler_config, device)

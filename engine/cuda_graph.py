@@ -32,9 +32,13 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     """Static inputs live in one int64 device buffer per graph size, laid out
-    [input ids | positions | slots | seq_lens | block tables (bs x max_blocks_per_seq)]; a
-    step fills the matching pinned host buffer and copies it with one H2D copy, then replays
-    (the int32 views the kernels read are converted inside the graph)."""
+    [input ids | positions | slots | seq_lens | src rows | block tables (bs x max_blocks)];
+    a step fills the matching pinned host buffer and copies it with one H2D copy, then replays
+    (the int32 views the kernels read are converted inside the graph).
+
+    Every graph also writes the greedy token of each row into `last_tokens`, and a row whose
+    src is j >= 0 takes its input id from last_tokens[j] instead of the host: async scheduling
+    launches step N+1 with the tokens of step N that the host has not read yet."""
 
     def __init__(
         self,
@@ -52,30 +56,37 @@ class DecodeGraphs:
         self.max_blocks = max_blocks_per_seq
         dev = kv_cache.device
         self.max_bs = max_num_seqs
-        size = max_num_seqs * (4 + max_blocks_per_seq)
+        size = max_num_seqs * (5 + max_blocks_per_seq)
         self.static = torch.zeros(size, dtype=torch.int64, device=dev)
         # Two host buffers, used in turn: a step never writes the one the last copy may read.
         self.host = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self.host_np = [h.numpy() for h in self.host]
         self._turn = 0
+        self.last_tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=dev)
+        self.tokens_host = [
+            torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)
+        ]
         self.query_start_loc = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
 
     def _size(self, bs: int) -> int:
-        return bs * (4 + self.max_blocks)
+        return bs * (5 + self.max_blocks)
 
     def _inputs(self, bs: int):
         """Views of the static buffer for graph size bs: ids, positions, slots, seq_lens,
-        block tables (int64)."""
+        src rows, block tables (int64)."""
         s = self.static
-        tables = s[4 * bs : self._size(bs)].view(bs, self.max_blocks)
-        return s[:bs], s[bs : 2 * bs], s[2 * bs : 3 * bs], s[3 * bs : 4 * bs], tables
+        tables = s[5 * bs : self._size(bs)].view(bs, self.max_blocks)
+        views = [s[i * bs : (i + 1) * bs] for i in range(5)]
+        return (*views, tables)
 
     def _forward(self, bs: int) -> torch.Tensor:
-        """Logits of every row: the int32 casts and the LM head are part of the graph."""
-        ids, positions, slots, lens, tables = self._inputs(bs)
+        """Logits of every row: the input-id gather, the int32 casts, the LM head and the
+        greedy tokens are part of the graph."""
+        host_ids, positions, slots, lens, src, tables = self._inputs(bs)
+        ids = torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], host_ids)
         meta = AttentionMetadata(
             slot_mapping=slots,
             query_start_loc=self.query_start_loc[: bs + 1],
@@ -88,7 +99,9 @@ class DecodeGraphs:
             max_seq_len=self.max_model_len,
         )
         hidden = self.model(ids, positions, self.kv_cache, meta, self.backend)
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        self.last_tokens[:bs].copy_(logits.argmax(dim=-1))
+        return logits
 
     @torch.inference_mode()
     def capture(self, sizes: list[int]) -> None:
@@ -115,11 +128,12 @@ class DecodeGraphs:
     def _fill_padding(self, bs: int, n: int) -> None:
         """Rows n..bs of the static inputs: no KV write (slot -1), one token of the null block
         (seq_len 1, block 0), so padding never touches a real request's KV."""
-        ids, positions, slots, lens, tables = self._inputs(bs)
+        ids, positions, slots, lens, src, tables = self._inputs(bs)
         ids[n:].zero_()
         positions[n:].zero_()
         slots[n:].fill_(-1)
         lens[n:].fill_(1)
+        src[n:].fill_(-1)
         tables[n:].zero_()
 
     def graph_size(self, n: int) -> int | None:
@@ -132,8 +146,10 @@ class DecodeGraphs:
         slot_mapping: list[int],
         seq_lens: list[int],
         block_tables: list[list[int]],
+        src_rows: list[int] | None = None,
     ) -> torch.Tensor:
-        """Host lists of the n real rows (a block table may run past its sequence's blocks);
+        """Host lists of the n real rows (a block table may run past its sequence's blocks;
+        src_rows[i] >= 0: row i's input id is the last step's greedy token of that row);
         returns fp32 logits [n, vocab] (a view of the graph's output)."""
         n = len(input_ids)
         bs = self.graph_size(n)
@@ -148,7 +164,10 @@ class DecodeGraphs:
         h[2 * bs + n : 3 * bs] = -1
         h[3 * bs : 3 * bs + n] = seq_lens
         h[3 * bs + n : 4 * bs] = 1
-        tables = h[4 * bs : self._size(bs)].reshape(bs, self.max_blocks)
+        h[4 * bs : 5 * bs] = -1
+        if src_rows is not None:
+            h[4 * bs : 4 * bs + n] = src_rows
+        tables = h[5 * bs : self._size(bs)].reshape(bs, self.max_blocks)
         bsz = self.block_size
         for i, t in enumerate(block_tables):
             k = -(-seq_lens[i] // bsz)
@@ -159,3 +178,14 @@ class DecodeGraphs:
         self.static[:size].copy_(self.host[self._turn ^ 1][:size], non_blocking=True)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
+
+    def launch(self, *inputs, src_rows: list[int]) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """`run` without waiting: returns a pinned host tensor that an async copy fills with
+        the n greedy tokens, and the event after which it holds them."""
+        n = len(src_rows)
+        self.run(*inputs, src_rows=src_rows)
+        host = self.tokens_host[self._turn]  # alternates with the input buffers
+        host[:n].copy_(self.last_tokens[:n], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event

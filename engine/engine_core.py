@@ -4,6 +4,16 @@ Each `step()` returns only what changed: the new token of each request that prod
 the finish reason of those that ended. Token-level stops (EOS, `stop_token_ids`, `max_tokens`,
 `max_model_len`) are decided here; stop *strings* need text and are decided by the output
 processor above, which then calls `abort_request`.
+
+Async scheduling (steady greedy decode under CUDA graphs): `step()` launches decode step N+1
+before reading step N's tokens, then resolves step N while N+1 runs, so the host's scheduling,
+stop checks and output work overlap the GPU. A launched step appends a `PLACEHOLDER` to each
+of its requests (the scheduler then sees the token as present); the graph reads the unread
+token on the device. Resolving fills the placeholders and applies the stops; a request that
+stops at N has one wasted row in N+1, whose output is dropped, and its blocks are freed only
+once N+1 is done (nothing may reuse a block that a running step still writes). Any step that
+is not a plain greedy decode batch (prefill, sampling, logprobs, waiting requests, a pool
+that might preempt, a request that could pass max_tokens) resolves the pending step first.
 """
 
 from __future__ import annotations
@@ -13,8 +23,8 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.model_runner import ModelRunner
-from engine.request import Request, RequestStatus
+from engine.model_runner import LaunchedStep, ModelRunner
+from engine.request import PLACEHOLDER, Request, RequestStatus
 from engine.sampler import skip_sampler_step
 from engine.scheduler import Scheduler
 
@@ -60,6 +70,7 @@ class EngineCore:
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv)
+        self._pending: LaunchedStep | None = None  # async scheduling: launched, not read
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -87,17 +98,85 @@ class EngineCore:
         request = self.scheduler.requests.get(request_id)
         if request is None:
             return False
-        self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._pending is not None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Finish a request; while a launched step may still write its KV, free its blocks
+        only once that step is done."""
+        pending = self._pending
+        if pending is None or request.hold_blocks or request.request_id not in pending.row_of:
+            self.scheduler.finish_request(request, status)
+            return
+        self.scheduler.finish_request(request, status, free_blocks=False)
+        pending.deferred_free.append(request)
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        pending, self._pending = self._pending, None
+        if pending is not None and not self._may_pipeline():
+            return self._resolve(pending)
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            return self._resolve(pending) if pending is not None else []
+        if self._fits_async(sched):
+            launched = self.runner.launch_decode(sched, self.kv, pending)
+            for s in sched.scheduled:
+                s.request.append_output_token(PLACEHOLDER)
+                s.request.num_placeholders += 1
+            self.scheduler.update_after_step(sched)
+            self._pending = launched
+            return self._resolve(pending) if pending is not None else []
+        outputs = []
+        if pending is not None:
+            outputs = self._resolve(pending)
+            sched.scheduled = [s for s in sched.scheduled if not s.request.is_finished]
+            if not sched.scheduled:
+                return outputs
+        return outputs + self._execute(sched)
+
+    def _may_pipeline(self) -> bool:
+        """Launching before resolving needs a scheduler that admits nothing new and cannot
+        preempt (every running request may need one new block)."""
+        sch = self.scheduler
+        return len(sch.waiting) == 0 and self.kv.num_free_blocks >= len(sch.running)
+
+    def _fits_async(self, sched) -> bool:
+        if not self._may_pipeline() or not self.runner.can_launch_async(sched):
+            return False
+        # The launched token must be one the request may still produce; a prefill-role request
+        # ships its blocks as soon as they count as computed, so it only ever runs in sync.
+        return all(
+            s.request.num_output_tokens < s.request.max_tokens and not s.request.hold_blocks
+            for s in sched.scheduled
+        )
+
+    def _resolve(self, launched: LaunchedStep) -> list[EngineCoreOutput]:
+        """Read a launched step's tokens (waiting for it) and apply them."""
+        tokens = launched.tokens()
+        for r in launched.deferred_free:  # finished while this step ran: now it is done
+            self.kv.free(r)
+        outputs = []
+        for (r, idx), token in zip(launched.rows, tokens):
+            if r.is_finished:  # stopped at the previous step or aborted: a wasted row
+                continue
+            r.output_token_ids[idx] = token
+            r.num_placeholders -= 1
+            out = EngineCoreOutput(r.request_id, [token], num_cached_tokens=r.num_cached_tokens)
+            status = self._check_stop(r, token, num_output=idx + 1)
+            if status is not None:
+                del r.output_token_ids[idx + 1 :]  # the next step's placeholder, if any
+                r.num_placeholders = 0
+                self._finish(r, status)
+                out.finish_reason, out.stop_reason = status.value, r.stop_reason
+            outputs.append(out)
+        return outputs
+
+    def _execute(self, sched) -> list[EngineCoreOutput]:
+        """One synchronous step: run, sample, apply."""
         result = self.runner.execute(sched, self.kv)
         self.scheduler.update_after_step(sched)
         outputs = []
@@ -118,24 +197,25 @@ class EngineCore:
                 out.new_logprobs.append(result.logprobs[r.request_id])
             if r.num_output_tokens == 1 and r.wants_prompt_logprobs:
                 out.prompt_logprobs = list(r.prompt_logprobs)
-            status = self._check_stop(r, token)
+            status = self._check_stop(r, token, r.num_output_tokens)
             if status is not None:
                 self.scheduler.finish_request(r, status)
                 out.finish_reason, out.stop_reason = status.value, r.stop_reason
             outputs.append(out)
         return outputs
 
-    def _check_stop(self, r: Request, token: int) -> RequestStatus | None:
+    def _check_stop(self, r: Request, token: int, num_output: int) -> RequestStatus | None:
+        """Stops after `token`, the request's num_output-th output token."""
         params = r.sampling_params
-        if r.num_output_tokens >= params.min_tokens:
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token in r.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if params.stop_token_ids and token in params.stop_token_ids:
                 r.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if r.num_output_tokens >= r.max_tokens:
+        if num_output >= r.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if r.num_tokens >= self.config.model.max_model_len:
+        if r.num_prompt_tokens + num_output >= self.config.model.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -173,7 +253,7 @@ class EngineCore:
         if logprobs is not None:
             request.logprobs.append(logprobs)
             out.new_logprobs.append(logprobs)
-        status = self._check_stop(request, first_token)
+        status = self._check_stop(request, first_token, request.num_output_tokens)
         if status is not None:
             request.status = status
             self.kv.free(request)

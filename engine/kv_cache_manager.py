@@ -111,7 +111,8 @@ class KVCacheManager:
         """Publish the request's full blocks whose KV is now computed to the prefix cache."""
         if not self.enable_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        # A block holding an async placeholder waits: its hash needs the token's id.
+        num_full = min(request.num_computed_tokens, request.num_known_tokens) // self.block_size
         start = self.num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
             return

@@ -21,7 +21,8 @@ from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs, capture_sizes
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.models import get_model_class
-from engine.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
+from engine.request import Request
+from engine.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy
 from engine.scheduler import SchedulerOutput
 from engine.weights import iter_safetensors_weights
 
@@ -36,6 +37,25 @@ class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+
+
+@dataclass
+class LaunchedStep:
+    """A greedy decode step launched on the GPU whose tokens the host has not read yet."""
+
+    rows: list[tuple[Request, int]]  # (request, index of its placeholder in output_token_ids)
+    row_of: dict[str, int]  # request id -> row
+    tokens_host: torch.Tensor | None = None  # pinned; filled by an async copy
+    event: torch.cuda.Event | None = None  # recorded after that copy
+    cpu_tokens: list[int] | None = None  # known at once when the step ran eagerly
+    deferred_free: list[Request] = field(default_factory=list)  # free once this step is done
+
+    def tokens(self) -> list[int]:
+        """Waits for the step; its greedy tokens in row order."""
+        if self.cpu_tokens is None:
+            self.event.synchronize()
+            self.cpu_tokens = self.tokens_host[: len(self.rows)].tolist()
+        return self.cpu_tokens
 
 
 class ModelRunner:
@@ -177,6 +197,11 @@ class ModelRunner:
         if self.device.type != "cuda" or mc.enforce_eager:
             return
         hf = mc.hf_config
+        from engine.models.layers import tune_small_m
+
+        padded = {k: v for k, v in tune_small_m(self.model).items() if v["pad"]}
+        if padded:
+            logger.info("Small-batch GEMMs padded to 8 rows where cuBLAS is faster: %s", padded)
         max_bs = min(sc.max_num_seqs, 512)
         self.attn_backend.reserve(
             max_bs,
@@ -198,8 +223,9 @@ class ModelRunner:
         self.graphs.capture(capture_sizes(max_bs))
 
     # ---- one step ------------------------------------------------------------------------
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
+    def _prepare(self, sched: SchedulerOutput, kv: KVCacheManager):
+        """Host lists of a batch: ids, positions and slots (ints for one-token rows, arrays
+        for chunks), query start offsets, seq lens, block tables."""
         bs = self.block_size
         input_ids, qsl, seq_lens, tables = [], [0], [], []
         pos_parts, slot_parts = [], []
@@ -219,7 +245,57 @@ class ModelRunner:
             qsl.append(qsl[-1] + s.num_new_tokens)
             seq_lens.append(end)
             tables.append(block_ids)  # may run past cdiv(end, bs): readers slice
-        n_tok, n_seq = len(input_ids), len(seq_lens)
+        return input_ids, pos_parts, slot_parts, qsl, seq_lens, tables
+
+    @property
+    def async_scheduling(self) -> bool:
+        flag = self.config.scheduler.async_scheduling
+        return self.graphs is not None if flag is None else flag
+
+    def can_launch_async(self, sched: SchedulerOutput) -> bool:
+        """A batch `launch_decode` can take: one new token per row, plain greedy sampling (the
+        graphs' argmax is the sampler), and a captured graph large enough."""
+        if not self.async_scheduling:
+            return False
+        if any(s.num_new_tokens != 1 for s in sched.scheduled):
+            return False
+        if self.graphs is not None and self.graphs.graph_size(len(sched.scheduled)) is None:
+            return False
+        return all(
+            is_plain_greedy(s.request.sampling_params, s.request.num_output_tokens)
+            for s in sched.scheduled
+        )
+
+    @torch.inference_mode()
+    def launch_decode(
+        self, sched: SchedulerOutput, kv: KVCacheManager, prev: LaunchedStep | None
+    ) -> LaunchedStep:
+        """Start a greedy decode step without reading its tokens. Rows of requests that were
+        in `prev` (still unread) take their input token from prev's output on the device."""
+        ids, pos, slots, qsl, seq_lens, tables = self._prepare(sched, kv)
+        reqs = [s.request for s in sched.scheduled]
+        src = [prev.row_of.get(r.request_id, -1) if prev else -1 for r in reqs]
+        step = LaunchedStep(
+            rows=[(r, r.num_output_tokens) for r in reqs],
+            row_of={r.request_id: i for i, r in enumerate(reqs)},
+        )
+        if self.graphs is not None:
+            ids = [0 if j >= 0 else t for t, j in zip(ids, src)]
+            step.tokens_host, step.event = self.graphs.launch(
+                ids, pos, slots, seq_lens, tables, src_rows=src
+            )
+            return step
+        # No graphs (CPU, enforce_eager): run now; the pipeline logic above stays the same.
+        known = prev.tokens() if prev is not None else []
+        ids = [known[j] if j >= 0 else t for t, j in zip(ids, src)]
+        hidden = self._run_eager(ids, pos, slots, qsl, seq_lens, tables, 1)
+        step.cpu_tokens = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+        return step
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
+        input_ids, pos_parts, slot_parts, qsl, seq_lens, tables = self._prepare(sched, kv)
+        n_seq = len(seq_lens)
         max_query_len = max(s.num_new_tokens for s in sched.scheduled)
         if max_query_len == 1 and self.graphs and self.graphs.graph_size(n_seq):
             # Decode batch: one copy into the graph's static inputs, one replay.
@@ -227,6 +303,18 @@ class ModelRunner:
             out = ModelRunnerOutput()
             self._sample(sched, None, qsl, out, logits)
             return out
+        hidden = self._run_eager(
+            input_ids, pos_parts, slot_parts, qsl, seq_lens, tables, max_query_len
+        )
+        out = ModelRunnerOutput()
+        self._prompt_logprobs(sched, hidden, qsl, out)
+        self._sample(sched, hidden, qsl, out)
+        return out
+
+    def _run_eager(self, input_ids, pos_parts, slot_parts, qsl, seq_lens, tables, max_query_len):
+        """Hidden states of every new token: one H2D copy of the batch, one forward."""
+        bs = self.block_size
+        n_tok, n_seq = len(input_ids), len(seq_lens)
         positions = np.hstack(pos_parts)
         slots = np.hstack(slot_parts)
         width = max(cdiv(n, bs) for n in seq_lens)
@@ -262,11 +350,7 @@ class ModelRunner:
             max_query_len=max_query_len,
             max_seq_len=max(seq_lens),
         )
-        hidden = self._forward(ids_t, pos_t, meta)
-        out = ModelRunnerOutput()
-        self._prompt_logprobs(sched, hidden, qsl, out)
-        self._sample(sched, hidden, qsl, out)
-        return out
+        return self._forward(ids_t, pos_t, meta)
 
     def _forward(self, input_ids, positions, meta) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_cache, meta, self.attn_backend)

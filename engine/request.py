@@ -34,6 +34,9 @@ class RequestStatus(enum.Enum):
         )
 
 
+PLACEHOLDER = -1  # an output token still on the GPU (async scheduling)
+
+
 @dataclass
 class Request:
     request_id: str
@@ -61,6 +64,9 @@ class Request:
     # Prefill role: keep the blocks after finishing, until the KV has been shipped
     # (`EngineCore.release_blocks`); a finished request's blocks may still be read by a WRITE.
     hold_blocks: bool = False
+    # Async scheduling: output tokens whose step is still on the GPU, held as PLACEHOLDER at
+    # the end of output_token_ids (at most 2: the step being resolved and the next one).
+    num_placeholders: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -105,9 +111,15 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are known on the host (all but async placeholders)."""
+        return self.num_tokens - self.num_placeholders
+
     def update_block_hashes(self, block_size: int) -> None:
-        """Extend the hash chain over any block that became full."""
-        if self.num_tokens // block_size > len(self.block_hashes):
+        """Extend the hash chain over any block that became full (of known tokens)."""
+        known = self.num_known_tokens
+        if known // block_size > len(self.block_hashes):
             self.block_hashes = hash_block_tokens(
-                self.all_token_ids, block_size, self.cache_salt, self.block_hashes
+                self.all_token_ids[:known], block_size, self.cache_salt, self.block_hashes
             )

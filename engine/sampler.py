@@ -72,7 +72,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, logits.shape
         if all(
-            _is_plain_greedy(p, len(out)) for p, out in zip(batch.params, batch.output_token_ids)
+            is_plain_greedy(p, len(out)) for p, out in zip(batch.params, batch.output_token_ids)
         ):
             # The common serving case: one argmax kernel, no fp32 copy of the logits.
             ids = logits.argmax(dim=-1).tolist()
@@ -100,7 +100,7 @@ class Sampler:
         return SamplerOutput(token_id_list, _gather_logprobs(raw_logprobs, token_ids, num_logprobs))
 
 
-def _is_plain_greedy(p: SamplingParams, num_output_tokens: int) -> bool:
+def is_plain_greedy(p: SamplingParams, num_output_tokens: int) -> bool:
     return (
         p.temperature < SAMPLING_EPS
         and p.logprobs is None

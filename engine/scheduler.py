@@ -121,15 +121,18 @@ class Scheduler:
                     f"{cfg.max_num_queued_tokens}). Retry later."
                 )
 
-    def finish_request(self, request: Request, status: RequestStatus) -> None:
-        """Finish (or abort) a request wherever it is; frees its blocks."""
+    def finish_request(
+        self, request: Request, status: RequestStatus, free_blocks: bool = True
+    ) -> None:
+        """Finish (or abort) a request wherever it is; frees its blocks (unless the caller
+        frees them later: a launched step may still write them)."""
         assert status.is_finished
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif not request.is_finished:
             self.waiting.remove(request)
         request.status = status
-        if not request.hold_blocks:
+        if free_blocks and not request.hold_blocks:
             self.kv.free(request)
         self.requests.pop(request.request_id, None)
 

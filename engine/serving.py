@@ -52,6 +52,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlap scheduling with the GPU in steady greedy decode (default: with graphs)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -71,6 +78,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         load_format=args.load_format,
         seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     )
 
 

@@ -17,6 +17,54 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from engine.attention import AttentionBackend, AttentionMetadata
 
 
+class Linear(nn.Linear):
+    """nn.Linear that can pad a few-row input up to `pad_rows_to` rows before the GEMM.
+
+    Why: for some decode shapes cuBLAS picks a much slower kernel at M=1 than at M=8 (on the
+    H200, Qwen3-0.6B's o_proj, K=2048 -> N=1024: 13.2 µs at M=1, 6.6 µs at M=8;
+    bench/gemm_small_m.py). `tune_small_m` measures each shape once at start-up and pads only
+    where it pays."""
+
+    pad_rows_to: int = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if 0 < m < self.pad_rows_to:
+            return F.linear(F.pad(x, (0, 0, 0, self.pad_rows_to - m)), self.weight, self.bias)[:m]
+        return F.linear(x, self.weight, self.bias)
+
+
+@torch.inference_mode()
+def tune_small_m(model: nn.Module, rows: int = 8, min_gain: float = 0.15) -> dict:
+    """CUDA: for each distinct Linear shape, time M=1 plain vs padded to `rows`; pad every
+    Linear of a shape whose padded GEMM is at least `min_gain` faster. Returns the timings."""
+    by_shape: dict[tuple[int, int], list[Linear]] = {}
+    for mod in model.modules():
+        if isinstance(mod, Linear):
+            by_shape.setdefault((mod.in_features, mod.out_features), []).append(mod)
+    report = {}
+    for shape, mods in by_shape.items():
+        layer = mods[0]
+        x = torch.zeros(1, shape[0], dtype=layer.weight.dtype, device=layer.weight.device)
+        times = []
+        for pad in (0, rows):
+            layer.pad_rows_to = pad
+            for _ in range(3):
+                layer(x)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(50):
+                layer(x)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 50 * 1e3)
+        pad = rows if times[1] < (1 - min_gain) * times[0] else 0
+        for mod in mods:
+            mod.pad_rows_to = pad
+        report[f"{shape[0]}x{shape[1]}"] = {"m1_us": times[0], "padded_us": times[1], "pad": pad}
+    return report
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -72,8 +120,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.scale = head_dim**-0.5
@@ -121,8 +169,8 @@ class MLP(nn.Module):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
         assert getattr(config, "hidden_act", "silu") == "silu", "only SiLU-gated MLPs"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
