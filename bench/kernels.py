@@ -7,10 +7,9 @@ Bytes are what a kernel must read + write (KV bytes only for decode attention: t
 target >= 70% of the copy ceiling, is 32 seqs x 4096 ctx, 32 q / 8 kv heads, d 128, bf16,
 block 16). The ceiling is a torch copy of a 1 GiB tensor in the same run, read + write counted.
 Decode also sweeps split count / tile / warps so the heuristic can be checked against the best.
-Timing on CUDA: CUDA-graph replays of (L2 flush + kernel) minus replays of the flush alone,
-so neither launch overhead (tens of µs from Python, more than a batch-1 decode kernel takes)
-nor an L2-resident working set (a batch-1 layer's KV is 2-8 MB; L2 is 50 MB) flatters a
-kernel. Wall-clock medians on CPU.
+Timing on CUDA: `triton.testing.do_bench` (L2 flushed between calls). Its time includes the
+wrapper's launch from Python (tens of µs), so batch-1 decode rows here are launch-bound; the
+in-engine kernel times (graph replays) come from bench/profile_step.py. Wall-clock medians on CPU.
 """
 
 from __future__ import annotations
@@ -47,21 +46,7 @@ def timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
     if device.type == "cuda":
         import triton.testing
 
-        l2 = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-
-        def bench(f) -> float:
-            return triton.testing.do_bench_cudagraph(f, rep=100, return_mode="median")
-
-        flush_ms = bench(l2.zero_)
-
-        def graph_time(fn: Callable[[], object]) -> float:
-            def flushed() -> None:
-                l2.zero_()
-                fn()
-
-            return max(bench(flushed) - flush_ms, 1e-4) / 1e3
-
-        return graph_time
+        return lambda fn: triton.testing.do_bench(fn, return_mode="median") / 1e3
 
     def cpu_time(fn: Callable[[], object]) -> float:
         fn()

@@ -64,16 +64,23 @@ class RemotePrefill:
         loop = asyncio.get_running_loop()
         received = time.monotonic()
         for attempt, target in enumerate(request.prefill[:MAX_PREFILL_ATTEMPTS]):
-            alloc = await self.engine.call(self.core.allocate_for_remote_prefill, req)
-            if alloc is None:
-                raise SchedulerFullError("no free KV blocks for the prompt; retry elsewhere")
             transfer_id = request.transfer_id or uuid.uuid4().hex
             if attempt:
                 transfer_id += f"-retry{attempt}"
             token = secrets.token_hex(16)
-            first_block = alloc.num_hit_tokens // bs
             arrived = loop.create_future()
-            await self.engine.call(self.receiver.expect, transfer_id, token, loop, arrived)
+
+            def reserve(tid=transfer_id, token=token, arrived=arrived):
+                """One engine-thread hop: blocks, then the expected notification."""
+                alloc = self.core.allocate_for_remote_prefill(req)
+                if alloc is not None:
+                    self.receiver.expect(tid, token, loop, arrived)
+                return alloc
+
+            alloc = await self.engine.call(reserve)
+            if alloc is None:
+                raise SchedulerFullError("no free KV blocks for the prompt; retry elsewhere")
+            first_block = alloc.num_hit_tokens // bs
             msg = prefill_pb2.PrefillRequest(
                 request_id=req.request_id,
                 transfer_id=transfer_id,

@@ -34,7 +34,7 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, idle_wait_s: float = 0.05, busy_wait_s: float = 0.0005):
+    def __init__(self, core: EngineCore, idle_wait_s: float = 0.05, busy_wait_s: float = 0.00005):
         self.core = core
         self.idle_wait_s = idle_wait_s
         self.busy_wait_s = busy_wait_s
