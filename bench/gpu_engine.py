@@ -93,25 +93,26 @@ def ceilings() -> dict:
 
 
 def step_times(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
-    """(TTFT s, mean s per output token after the first) of a batch run alone, driving the
-    core as the engine loop does: steps back to back, no synchronization between them (async
-    scheduling overlaps the host's work for step N+1 with the GPU's step N)."""
+    """(TTFT s of the first token, median s per decode step) of a batch run alone, driving
+    the core as the engine loop does: steps back to back, no synchronization between them
+    (async scheduling overlaps the host's work for step N+1 with the GPU's step N). A decode
+    step's time is the interval between consecutive steps that each gave every request a
+    token (steady state: the whole batch decoding)."""
     core = llm.engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         core.add_request(Request(f"b{time.monotonic_ns()}-{i}", p, params))
     torch.cuda.synchronize()
     start = time.perf_counter()
-    first = last = None
+    first, full = None, []
     while core.has_unfinished_requests():
         outs = core.step()
-        if outs:
-            now = time.perf_counter()
-            first = first or now
-            last = now
-    ttft = first - start
-    tpot = (last - first) / (max_tokens - 1) if max_tokens > 1 else 0.0
-    return ttft, tpot
+        now = time.perf_counter()
+        if outs and first is None:
+            first = now
+        full.append((now, len(outs) == len(prompts)))
+    steady = [b[0] - a[0] for a, b in zip(full, full[1:]) if a[1] and b[1]]
+    return first - start, statistics.median(steady) if steady else 0.0
 
 
 def random_prompts(n: int, length: int, seed: int = 0, vocab: int = 150000) -> list[list[int]]:
@@ -177,7 +178,7 @@ def bench_model(name: str, path: Path, ceil: dict, args) -> dict:
         "tpot_over_floor": tpot / floor,
     }
     if name == "qwen3-8b":
-        _, step = step_times(llm, random_prompts(64, 1024, 1), 32)
+        _, step = step_times(llm, random_prompts(64, 1024, 1), 48)
         mem = (wb + 64 * 1032 * kv_tok) / copy_bps
         comp = 2 * n_params * 64 / (ceil["matmul_bf16_TFLOPs"] * 1e12)
         res["b64_ctx1024"] = {

@@ -139,10 +139,12 @@ class EngineCore:
         return outputs + self._execute(sched)
 
     def _may_pipeline(self) -> bool:
-        """Launching before resolving needs a scheduler that admits nothing new and cannot
-        preempt (every running request may need one new block)."""
+        """Launching before resolving needs a scheduler that admits nothing new (no one
+        waits, or max_num_seqs are running) and cannot preempt (every running request may
+        need one new block)."""
         sch = self.scheduler
-        return len(sch.waiting) == 0 and self.kv.num_free_blocks >= len(sch.running)
+        admits = len(sch.waiting) > 0 and len(sch.running) < sch.config.max_num_seqs
+        return not admits and self.kv.num_free_blocks >= len(sch.running)
 
     def _fits_async(self, sched) -> bool:
         if not self._may_pipeline() or not self.runner.can_launch_async(sched):

@@ -128,3 +128,17 @@ def test_abort_while_a_step_is_in_flight(engines):
     assert len(tokens["drop"]) in (5, 6)  # at most the step resolved with the abort
     assert PLACEHOLDER not in tokens["keep"]
     assert core.kv.num_free_blocks == free_before
+
+
+def test_pipelines_while_requests_wait_for_a_slot(tiny_qwen3_path):
+    """max_num_seqs=2 with 5 prompts: steps stay pipelined while the others wait (nothing can
+    be admitted), and each finish lets the next prompt in, as the sync engine does."""
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    outs = []
+    for async_scheduling in (False, True):
+        llm = LLM(str(tiny_qwen3_path), async_scheduling=async_scheduling, max_num_seqs=2)
+        launches = _count_launches(llm)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:5], params)])
+        waited = len(launches)
+    assert outs[0] == outs[1]
+    assert waited >= 15, "decode steps with requests waiting were pipelined"
