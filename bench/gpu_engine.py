@@ -152,10 +152,9 @@ def hf_tpot(path: Path, prompt_len: int, new_tokens: int) -> float:
     return (total - ttft) / (new_tokens - 1)
 
 
-def bench_model(name: str, path: Path, ceil: dict, args) -> dict:
-    copy_bps = ceil["copy_GBps"] * 1e9
-    res: dict = {}
-    llm = LLM(
+def dummy_llm(path: Path) -> LLM:
+    """The latency benchmarks' engine: random bf16 weights, room for a 4,096-token prompt."""
+    return LLM(
         str(path),
         load_format="dummy",
         dtype="bfloat16",
@@ -165,6 +164,12 @@ def bench_model(name: str, path: Path, ceil: dict, args) -> dict:
         max_num_batched_tokens=8192,
         gpu_memory_utilization=0.85,
     )
+
+
+def bench_model(name: str, path: Path, ceil: dict, args) -> dict:
+    copy_bps = ceil["copy_GBps"] * 1e9
+    res: dict = {}
+    llm = dummy_llm(path)
     kv_tok = llm.config.model.kv_bytes_per_token()
     wb, n_params = weight_bytes(llm), param_count(llm)
     res["weight_GB"] = wb / 1e9

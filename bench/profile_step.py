@@ -26,21 +26,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.common import write_result
-from bench.gpu_engine import make_config_dir, random_prompts
+from bench.gpu_engine import ceilings, dummy_llm, make_config_dir, random_prompts
 from engine import LLM, SamplingParams
 from engine.request import Request
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 10 / (time.perf_counter() - t)
 
 
 def kernel_trace(graphs, bs: int) -> list[tuple[str, float]]:
@@ -125,7 +113,7 @@ def main() -> None:
     ap.add_argument("--cases", default="qwen3-0.6b:1:512,qwen3-8b:1:512,qwen3-8b:64:1024")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args()
-    copy_bps = copy_bandwidth()
+    copy_bps = ceilings()["copy_GBps"] * 1e9
     cases: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for c in args.cases.split(","):
         model, batch, ctx = c.split(":")
@@ -133,16 +121,7 @@ def main() -> None:
     results = {"copy_GBps": copy_bps / 1e9}
     with tempfile.TemporaryDirectory() as tmp:
         for model, shapes in cases.items():
-            llm = LLM(
-                str(make_config_dir(model, Path(tmp))),
-                load_format="dummy",
-                dtype="bfloat16",
-                skip_tokenizer_init=True,
-                max_model_len=4096 + 256,
-                max_num_seqs=256,
-                max_num_batched_tokens=8192,
-                gpu_memory_utilization=0.85,
-            )
+            llm = dummy_llm(make_config_dir(model, Path(tmp)))
             for batch, ctx in shapes:
                 r = profile_case(llm, batch, ctx, copy_bps)
                 results[f"{model}:b{batch}:ctx{ctx}"] = r

@@ -17,6 +17,27 @@ from kernels.utils import check_kv_layer
 
 
 @triton.jit
+def slot_rows(
+    kv_ptr, slot_mapping_ptr, t, offs_h, offs_d, num_heads, head_dim,
+    stride_kv_blk, stride_kv_tok, stride_kv_h, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """(K-row pointers [H, D] of token t's slot in one layer's paged cache, store mask). A
+    negative slot masks everything; its addresses stay in range. The V rows are at
+    + stride_kv_kv. Shared with the RoPE kernel, which stores K/V from registers."""
+    slot = tl.load(slot_mapping_ptr + t)  # int64
+    mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < head_dim) & (slot >= 0)
+    safe_slot = tl.maximum(slot, 0)
+    dst = (
+        kv_ptr
+        + (safe_slot // BLOCK_SIZE) * stride_kv_blk
+        + (safe_slot % BLOCK_SIZE) * stride_kv_tok
+        + offs_h[:, None] * stride_kv_h
+        + offs_d[None, :]
+    )
+    return dst, mask
+
+
+@triton.jit
 def _kernel(
     k_ptr, v_ptr, kv_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -25,18 +46,12 @@ def _kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + t)  # int64
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM) & (slot >= 0)
-    safe_slot = tl.maximum(slot, 0)  # keep skipped rows' (masked) addresses in range
-    dst = (
-        kv_ptr
-        + (safe_slot // BLOCK_SIZE) * stride_kv_blk
-        + (safe_slot % BLOCK_SIZE) * stride_kv_tok
-        + offs_h[:, None] * stride_kv_h
-        + offs_d[None, :]
-    )
+    dst, mask = slot_rows(
+        kv_ptr, slot_mapping_ptr, t, offs_h, offs_d, NUM_KV_HEADS, HEAD_DIM,
+        stride_kv_blk, stride_kv_tok, stride_kv_h, BLOCK_SIZE,
+    )  # fmt: skip
     k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_cache_write import slot_rows
 from kernels.utils import check_kv_layer
 
 
@@ -83,18 +84,12 @@ def _kernel(
         k_ptr + t * stride_kt, stride_kh, num_kv_heads, cos, sin, kw1, kw2, eps,
         HALF, BLOCK_HKV, BLOCK_HALF, HAS_NORM,
     )  # fmt: skip
-    if WRITE_KV:  # the paged store of kv_cache_write, from registers
-        slot = tl.load(slot_mapping_ptr + t)
+    if WRITE_KV:  # the paged store of kv_cache_write, from registers (each half of D)
         offs_h = tl.arange(0, BLOCK_HKV)
-        mask = (offs_h[:, None] < num_kv_heads) & mask_d[None, :] & (slot >= 0)
-        safe_slot = tl.maximum(slot, 0)  # keep skipped rows' (masked) addresses in range
-        dst = (
-            kv_ptr
-            + (safe_slot // BLOCK_SIZE) * stride_kv_blk
-            + (safe_slot % BLOCK_SIZE) * stride_kv_tok
-            + offs_h[:, None] * stride_kv_h
-            + offs_d[None, :]
-        )
+        dst, mask = slot_rows(
+            kv_ptr, slot_mapping_ptr, t, offs_h, offs_d, num_kv_heads, HALF,
+            stride_kv_blk, stride_kv_tok, stride_kv_h, BLOCK_SIZE,
+        )  # fmt: skip
         dt = kv_ptr.dtype.element_ty
         tl.store(dst, k1.to(dt), mask=mask)
         tl.store(dst + HALF, k2.to(dt), mask=mask)

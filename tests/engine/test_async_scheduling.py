@@ -10,13 +10,11 @@ the synchronous engine with the same graphs.
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from engine.request import PLACEHOLDER, Request
+from tests.gpu import GPU_ONLY
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 21, 33, 8, 17, 40)]
 
@@ -40,13 +38,7 @@ def _count_launches(llm: LLM) -> list[int]:
     return calls
 
 
-GPU = pytest.mark.skipif(
-    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-    reason="needs CUDA with TRITON_INTERPRET=0",
-)
-
-
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[GPU, pytest.mark.gpu])])
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=GPU_ONLY)])
 def engines(request, tiny_qwen3_path):
     sync = _llm(tiny_qwen3_path, False, request.param)
     asyn = _llm(tiny_qwen3_path, True, request.param)

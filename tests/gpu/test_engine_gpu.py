@@ -11,15 +11,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.gpu import GPU_ONLY
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") == "1",
-        reason="set TRITON_INTERPRET=0 to run kernels on the GPU",
-    ),
-]
+pytestmark = GPU_ONLY
 PROMPTS = [list(range(3, 60)), [5, 6, 7], list(range(100, 400, 3)), [9] * 33]
 
 

@@ -17,18 +17,11 @@ import time
 import urllib.request
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
+from tests.gpu import GPU_ONLY
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") == "1",
-        reason="set TRITON_INTERPRET=0 to run kernels on the GPU",
-    ),
-]
+pytestmark = GPU_ONLY
 PROMPT = "The quick brown fox jumps over the lazy dog and then"
 
 

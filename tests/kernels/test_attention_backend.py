@@ -52,15 +52,21 @@ def test_matches_torch_backend(computed, new):
     assert max_rel_err(out, expect) <= 1e-5
 
 
+def _torch_path_greedy(path):
+    """Prompts of 21 and 35 tokens, greedy params, and the CPU torch path's tokens."""
+    prompts = [list(range(3, 24)), list(range(100, 135))]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    expect = [o.outputs[0].token_ids for o in LLM(str(path)).generate(prompts, params)]
+    return prompts, params, expect
+
+
 def test_engine_greedy_tokens_match_torch_backend(tiny_qwen3_path):
     """Prompts of 21 and 35 tokens: full blocks to share, tails mid-block; the second Triton
     run hits the prefix cache, so the prefill kernel also runs over a cached prefix. A static
     max length of 4096 (as for CUDA graphs) makes decode take the split-K path."""
     if test_device().type != "cpu":
         pytest.skip("the engine picks its own device; this is the CPU interpreter check")
-    prompts = [list(range(3, 24)), list(range(100, 135))]
-    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    expect = [o.outputs[0].token_ids for o in LLM(str(tiny_qwen3_path)).generate(prompts, params)]
+    prompts, params, expect = _torch_path_greedy(tiny_qwen3_path)
     llm = LLM(str(tiny_qwen3_path))
     backend = TritonPagedAttention(static_max_seq_len=4096)
     calls = []
@@ -78,9 +84,7 @@ def test_engine_fused_model_path_matches_torch_path(tiny_qwen3_path):
     greedy tokens, prefix hits included."""
     if test_device().type != "cpu":
         pytest.skip("the engine picks its own device; this is the CPU interpreter check")
-    prompts = [list(range(3, 24)), list(range(100, 135))]
-    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    expect = [o.outputs[0].token_ids for o in LLM(str(tiny_qwen3_path)).generate(prompts, params)]
+    prompts, params, expect = _torch_path_greedy(tiny_qwen3_path)
     llm = LLM(str(tiny_qwen3_path))
     llm.engine.runner.attn_backend = TritonPagedAttention(static_max_seq_len=4096)
     llm.engine.runner.model.use_fused_kernels = True
