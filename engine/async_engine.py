@@ -6,6 +6,11 @@ run between steps. Outputs flow back to per-request asyncio queues.
 
 Readiness: `last_step_time` advances every loop iteration; a loop stuck in a step for longer
 than the health check's threshold makes the service not ready.
+
+Failure: a hook that raises is logged and counted (`num_hook_errors`) and the loop goes on. An
+exception from a step (or a command) ends the loop: `error` is set, every open stream gets
+`EngineDeadError`, then each `on_death` callback runs on the dying thread (the service makes
+itself unhealthy and exits non-zero, so that a supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ T = TypeVar("T")
 # A hook runs on the engine thread after every iteration; it returns True while it has work in
 # flight (e.g. transfers to poll), which keeps the loop spinning instead of sleeping.
 Hook = Callable[[], bool]
+# Called once, on the engine thread, with the exception that ended the loop.
+DeathCallback = Callable[[BaseException], None]
+HOOK_ERROR_LOG_INTERVAL_S = 10.0  # a hook failing every iteration logs once per interval
 
 
 class EngineDeadError(RuntimeError):
@@ -40,7 +48,11 @@ class AsyncEngine:
         self.busy_wait_s = busy_wait_s
         self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._pending_calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self.hooks: list[Hook] = []
+        self.on_death: list[DeathCallback] = []
+        self.num_hook_errors = 0
+        self._hook_error_logged_at: dict[int, float] = {}  # id(hook) -> monotonic time
         self.last_step_time = time.monotonic()
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -49,21 +61,28 @@ class AsyncEngine:
 
     # ---- API for asyncio callers -----------------------------------------------------------
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(*args)` on the engine thread; its result or exception comes back here."""
-        self._check_alive()
+        """Run `fn(*args)` on the engine thread; its result or exception comes back here
+        (`EngineDeadError` if the loop dies first)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
+        # Registered before the liveness check: either the check sees the error, or the dying
+        # loop sees this future and fails it. Nothing waits forever on a dead loop.
+        self._pending_calls[id(fut)] = (loop, fut)
+        try:
+            self._check_alive()
 
-        def run() -> None:
-            try:
-                result = fn(*args)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller, not swallowed
-                loop.call_soon_threadsafe(_set_exception, fut, e)
-            else:
-                loop.call_soon_threadsafe(_set_result, fut, result)
+            def run() -> None:
+                try:
+                    result = fn(*args)
+                except BaseException as e:  # noqa: BLE001 - handed to the caller, not swallowed
+                    loop.call_soon_threadsafe(_set_exception, fut, e)
+                else:
+                    loop.call_soon_threadsafe(_set_result, fut, result)
 
-        self._cmds.put(run)
-        return await fut
+            self._cmds.put(run)
+            return await fut
+        finally:
+            self._pending_calls.pop(id(fut), None)
 
     async def generate(
         self, request: Request, add: Callable[[Request], Any] | None = None
@@ -131,7 +150,7 @@ class AsyncEngine:
                     self._dispatch(self.core.step())
                     busy = True
                 for hook in self.hooks:
-                    busy |= bool(hook())
+                    busy |= self._run_hook(hook)
                 self.last_step_time = time.monotonic()
                 if not busy and not self.core.has_unfinished_requests():
                     self._wait_for_command(self.idle_wait_s)
@@ -141,7 +160,31 @@ class AsyncEngine:
             logger.exception("Engine loop died")
             self.error = e
             for loop, q in list(self._streams.values()):
-                loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine loop died: {e!r}"))
+                _call_soon(loop, q.put_nowait, EngineDeadError(f"engine loop died: {e!r}"))
+            for loop, fut in list(self._pending_calls.values()):
+                err = EngineDeadError(f"engine loop died: {e!r}")
+                _call_soon(loop, _set_exception, fut, err)
+            for callback in self.on_death:
+                try:
+                    callback(e)
+                except Exception:  # noqa: BLE001 - logged; the next callback must still run
+                    logger.exception("on_death callback %r failed", callback)
+
+    def _run_hook(self, hook: Hook) -> bool:
+        """A hook's failure is its own (a bad transfer, a bad message): logged with its traceback
+        (at most once per `HOOK_ERROR_LOG_INTERVAL_S` per hook), counted, and the loop goes on."""
+        try:
+            return bool(hook())
+        except Exception:
+            self.num_hook_errors += 1
+            now = time.monotonic()
+            last = self._hook_error_logged_at.get(id(hook))
+            if last is None or now - last >= HOOK_ERROR_LOG_INTERVAL_S:
+                self._hook_error_logged_at[id(hook)] = now
+                logger.exception(
+                    "engine hook %r raised (%d hook errors so far)", hook, self.num_hook_errors
+                )
+            return False
 
     def _drain_commands(self) -> None:
         while True:
@@ -164,6 +207,13 @@ class AsyncEngine:
             if stream is not None:
                 loop, q = stream
                 loop.call_soon_threadsafe(q.put_nowait, out)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that event loop is closed: nobody is waiting there any more
+        logger.debug("event loop closed; dropped %r", fn)
 
 
 def _set_result(fut: asyncio.Future, result: Any) -> None:

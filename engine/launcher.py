@@ -3,6 +3,9 @@
 Each service is started with port 0 and prints `READY <role> host:port` once it serves; the
 launcher reads that line, so no port is ever guessed. Children get SIGTERM if the launcher
 dies (PR_SET_PDEATHSIG), and the launcher stops them all on Ctrl-C / SIGTERM: no orphans.
+
+A child that exits is restarted on the port it had (`engine/supervisor.py` says how often and
+when the launcher gives up, exiting 1).
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.internal_auth import ENV_TOKEN
+from engine.registry import REDIS_URL_ENV, resolve_redis_url
+from engine.supervisor import GiveUpError, Supervisor
 
 logger = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -35,7 +40,10 @@ def _die_with_parent() -> None:
 class Child:
     role: str
     proc: subprocess.Popen
-    address: str | None = None
+    address: str | None = None  # from the READY line
+    argv: list[str] = field(default_factory=list)
+    # Set on the READY line, or when the output ends (the child exited without it).
+    ready: threading.Event = field(default_factory=threading.Event)
 
 
 class Cluster:
@@ -45,7 +53,8 @@ class Cluster:
         self.children: list[Child] = []
         self.log_prefix = log_prefix
 
-    def start(self, role: str, argv: list[str], timeout_s: float = 600.0) -> Child:
+    def spawn(self, role: str, argv: list[str], replaces: Child | None = None) -> Child:
+        """Start a child without waiting for it (`child.ready`); in `replaces`'s place."""
         cmd = [sys.executable, "-m", "engine.cli", role, *argv]
         proc = subprocess.Popen(
             cmd,
@@ -55,27 +64,43 @@ class Cluster:
             bufsize=1,
             preexec_fn=_die_with_parent,
         )
-        child = Child(role, proc)
-        self.children.append(child)
-        ready = threading.Event()
+        child = Child(role, proc, argv=list(argv))
+        if replaces is None:
+            self.children.append(child)
+        else:  # same place: `stop` ends the gateway first
+            self.children[self.children.index(replaces)] = child
 
         def pump() -> None:  # forward the child's log, catch its READY line
             for line in proc.stdout:
                 if line.startswith("READY "):
                     child.address = line.split()[2]
-                    ready.set()
+                    child.ready.set()
                 if self.log_prefix:
                     sys.stderr.write(f"[{role} {proc.pid}] {line}")
-            ready.set()
+            child.ready.set()
 
         threading.Thread(target=pump, daemon=True).start()
+        return child
+
+    def start(
+        self,
+        role: str,
+        argv: list[str],
+        timeout_s: float = 600.0,
+        stopping: threading.Event | None = None,
+    ) -> Child:
+        """Start a child and wait for its READY line (or `stopping`)."""
+        child = self.spawn(role, argv)
         deadline = time.monotonic() + timeout_s
-        while not ready.wait(0.2):
+        while not child.ready.wait(0.2):
+            if stopping is not None and stopping.is_set():
+                raise InterruptedError(f"stopped while {role} was starting")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{role} did not become ready within {timeout_s} s")
         if child.address is None:
             raise RuntimeError(
-                f"{role} exited with code {proc.wait()} before becoming ready; see its log above"
+                f"{role} exited with code {child.proc.wait()} before becoming ready; "
+                "see its log above"
             )
         return child
 
@@ -94,6 +119,11 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 c.proc.kill()
                 c.proc.wait()
+
+
+def _on_port(argv: list[str], address: str) -> list[str]:
+    """`argv` to restart a service on the port it had (`--port` given last wins)."""
+    return [*argv, "--port", address.rsplit(":", 1)[1]]
 
 
 def serve_main(argv: list[str] | None = None) -> int:
@@ -119,9 +149,15 @@ def serve_main(argv: list[str] | None = None) -> int:
     engine_args = _without(argv, serve_only)
     if args.num_decode < 1 or args.num_prefill < 0:
         parser.error("need --num-decode >= 1 and --num-prefill >= 0")
+    try:
+        redis_url = resolve_redis_url(args.redis_url)
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     # Internal gRPC traffic is authenticated with a per-launch secret, passed by environment.
     os.environ.setdefault(ENV_TOKEN, secrets.token_hex(32))
     cluster = Cluster()
+    supervisor = Supervisor(cluster)
     stopping = threading.Event()
 
     def on_signal(signum, frame) -> None:
@@ -132,13 +168,20 @@ def serve_main(argv: list[str] | None = None) -> int:
     try:
         svc = [*engine_args, *([] if args.model in engine_args else [args.model])]
         # With Redis the services register themselves and the gateway discovers them there.
-        redis = ["--redis-url", args.redis_url] if args.redis_url else []
-        svc += redis
+        # The URL (it may hold a password) reaches the children by environment, never argv.
+        if redis_url:
+            os.environ[REDIS_URL_ENV] = redis_url
         roles = ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
         shares = gpu_memory_shares(args, argv, len(roles))
-        started = [cluster.start(role, svc + share) for role, share in zip(roles, shares)]
+        started = [
+            cluster.start(role, svc + share, stopping=stopping)
+            for role, share in zip(roles, shares)
+        ]
+        for child in started:
+            # A replacement starts while all the others run: it gets the last (whole) share.
+            supervisor.watch(child, _on_port(svc + shares[-1], child.address))
         prefills, decodes = started[: args.num_prefill], started[args.num_prefill :]
-        instances = redis or [
+        instances = [] if redis_url else [
             "--decode",
             ",".join(c.address for c in decodes),
             *(["--prefill", ",".join(c.address for c in prefills)] if prefills else []),
@@ -154,22 +197,22 @@ def serve_main(argv: list[str] | None = None) -> int:
             *(["--served-model-name", args.served_model_name] if args.served_model_name else []),
             *_passthrough(engine_args, ("--max-model-len",)),
         ]
-        cluster.start("gateway", gw_args)
+        gateway = cluster.start("gateway", gw_args, stopping=stopping)
+        supervisor.watch(gateway, _on_port(gw_args, gateway.address))
+        port = gateway.address.rsplit(":", 1)[1]  # the real one when --port is 0
         print(
-            f"Tandem is serving {args.model} at http://{args.host}:{args.port}/v1 "
+            f"Tandem is serving {args.model} at http://{args.host}:{port}/v1 "
             f"({args.num_prefill} prefill, {args.num_decode} decode)",
             flush=True,
         )
         while not stopping.wait(0.5):
-            dead = cluster.check()
-            if dead is not None:
-                print(
-                    f"{dead.role} (pid {dead.proc.pid}) exited with code "
-                    f"{dead.proc.returncode}; stopping",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return 1
+            supervisor.tick()
+        return 0
+    except GiveUpError as e:
+        logger.error("%s; stopping everything", e)
+        return 1
+    except InterruptedError as e:  # Ctrl-C / SIGTERM during start-up
+        logger.info("%s", e)
         return 0
     finally:
         cluster.stop()

@@ -94,6 +94,11 @@ class EngineCollector(Collector):
         yield self._gauge(
             "tandem:engine_alive", "1 while the engine loop runs.", float(self.engine.is_alive)
         )
+        yield self._counter(
+            "tandem:engine_hook_errors",
+            "Exceptions raised by engine-loop hooks (KV transfer polls, KV events); logged.",
+            self.engine.num_hook_errors,
+        )
         for name, value in getattr(self.servicer, "metric_counters", lambda: {})().items():
             yield self._counter(f"tandem:{name}", f"{name.replace('_', ' ')}.", value)
 

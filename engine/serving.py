@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 
@@ -276,7 +278,10 @@ class KVPublishing:
 async def serve_health(
     server: grpc.aio.Server, service_name: str, engine: AsyncEngine
 ) -> asyncio.Task:
-    """Register gRPC health; a task keeps readiness in step with the engine loop."""
+    """Register gRPC health; a task keeps readiness in step with the engine loop.
+
+    When the loop dies, the task puts every service, the overall "" included, in NOT_SERVING for
+    good (the process is about to exit non-zero) and ends."""
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     serving, not_serving = (
@@ -284,13 +289,25 @@ async def serve_health(
         health_pb2.HealthCheckResponse.NOT_SERVING,
     )
     await servicer.set("", serving)
+    loop = asyncio.get_running_loop()
+    died = asyncio.Event()
+    engine.on_death.append(lambda exc: _set_threadsafe(loop, died))
 
     async def watch() -> None:
-        import time
-
-        while True:
-            ok = engine.is_alive and time.monotonic() - engine.last_step_time < READY_STALL_S
+        while engine.is_alive:
+            ok = time.monotonic() - engine.last_step_time < READY_STALL_S
             await servicer.set(service_name, serving if ok else not_serving)
-            await asyncio.sleep(0.5)
+            with contextlib.suppress(TimeoutError):  # a death wakes us at once
+                await asyncio.wait_for(died.wait(), 0.5)
+        logger.error("engine loop is not running: health NOT_SERVING (%r)", engine.error)
+        await servicer.set(service_name, not_serving)
+        await servicer.enter_graceful_shutdown()  # "" too; later `set`s are ignored
 
     return asyncio.create_task(watch())
+
+
+def _set_threadsafe(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+    try:
+        loop.call_soon_threadsafe(event.set)
+    except RuntimeError:  # the event loop already closed: nobody watches health any more
+        logger.debug("event loop closed; health watcher not woken")

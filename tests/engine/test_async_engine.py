@@ -1,0 +1,152 @@
+"""The engine thread's failure handling, on a fake core (no model): a raising hook is counted and
+the loop goes on; a raising step ends the loop, fails every stream and fires the death callbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.engine_core import EngineCoreOutput, EngineStats
+from engine.metrics import EngineCollector
+
+DEADLINE_S = 10.0
+
+
+class FakeCore:
+    """Just what `AsyncEngine` (and the metrics) call: one request at a time, one token a step."""
+
+    config = SimpleNamespace(model=SimpleNamespace(model="fake"))
+
+    def __init__(self, fail_at_step: int | None = None):
+        self.fail_at_step = fail_at_step
+        self.num_steps = 0
+        self.running: str | None = None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.running is not None
+
+    def add_request(self, request) -> None:
+        self.running = request.request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        self.running = None
+        return True
+
+    def stats(self) -> EngineStats:
+        return EngineStats(int(self.running is not None), 0, 0.0, 10, 0, 0, 0)
+
+    def step(self) -> list[EngineCoreOutput]:
+        self.num_steps += 1
+        if self.fail_at_step is not None and self.num_steps >= self.fail_at_step:
+            raise RuntimeError("boom in step")
+        return [EngineCoreOutput(self.running, new_token_ids=[self.num_steps])]
+
+
+class BlockingCore(FakeCore):
+    """A step that waits for `release`, then raises: commands queue up behind it meanwhile."""
+
+    def __init__(self):
+        super().__init__()
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def step(self) -> list[EngineCoreOutput]:
+        self.entered.set()
+        assert self.release.wait(DEADLINE_S)
+        raise RuntimeError("boom after the wait")
+
+
+class FakeRequest:
+    request_id = "r1"
+
+
+def _wait_until(cond, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_raising_hook_is_counted_and_the_loop_goes_on():
+    engine = AsyncEngine(FakeCore(), idle_wait_s=0.001)
+    calls = []
+
+    def bad_hook() -> bool:
+        calls.append(1)
+        raise ValueError("bad poll")
+
+    engine.hooks.append(bad_hook)
+    try:
+        _wait_until(lambda: len(calls) >= 3, "the hook to run three times")
+        assert engine.is_alive
+        assert engine.num_hook_errors >= 3
+        exported = {
+            m.name: m.samples[0].value
+            for m in EngineCollector(engine, None, "decode", "d").collect()
+        }
+        assert exported["tandem:engine_hook_errors"] >= 3
+        # The loop still runs commands.
+        assert asyncio.run(engine.call(lambda: 42)) == 42
+    finally:
+        engine.shutdown()
+
+
+def test_raising_step_kills_the_loop_fails_streams_and_fires_on_death():
+    engine = AsyncEngine(FakeCore(fail_at_step=3), idle_wait_s=0.001)
+    died: list[BaseException] = []
+    fired = threading.Event()
+
+    def on_death(exc: BaseException) -> None:
+        died.append(exc)
+        fired.set()
+
+    engine.on_death.append(on_death)
+
+    async def consume() -> list[EngineCoreOutput]:
+        outs = []
+        with pytest.raises(EngineDeadError):
+            async for out in engine.generate(FakeRequest()):
+                outs.append(out)
+        return outs
+
+    try:
+        outs = asyncio.run(asyncio.wait_for(consume(), DEADLINE_S))
+        assert [o.new_token_ids for o in outs] == [[1], [2]]
+        assert fired.wait(DEADLINE_S), "on_death was not called"
+        assert isinstance(died[0], RuntimeError) and not engine.is_alive
+        with pytest.raises(EngineDeadError):
+            asyncio.run(engine.call(lambda: 1))
+    finally:
+        engine.shutdown()
+
+
+def test_on_death_is_not_fired_by_a_clean_shutdown():
+    engine = AsyncEngine(FakeCore(), idle_wait_s=0.001)
+    died = []
+    engine.on_death.append(died.append)
+    engine.shutdown()
+    assert not engine.is_alive and engine.error is None and died == []
+
+
+def test_a_call_queued_when_the_loop_dies_fails_instead_of_hanging():
+    core = BlockingCore()
+    engine = AsyncEngine(core, idle_wait_s=0.001)
+
+    async def run() -> None:
+        engine.submit(lambda: core.add_request(FakeRequest()))
+        assert await asyncio.to_thread(core.entered.wait, DEADLINE_S)
+        pending = asyncio.ensure_future(engine.call(lambda: 1))  # queued behind the stuck step
+        await asyncio.sleep(0)  # let it register and queue
+        core.release.set()
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(pending, DEADLINE_S)
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
