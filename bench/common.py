@@ -93,3 +93,14 @@ def print_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> None:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
         if k == 0:
             print("  ".join("-" * w for w in widths))
+
+
+def ensure_internal_token() -> str:
+    """Benchmarks start services, which refuse to run without an internal token: make one for
+    this run (inherited by every process it starts) unless the environment has one."""
+    import os
+    import secrets
+
+    from engine.internal_auth import ENV_TOKEN
+
+    return os.environ.setdefault(ENV_TOKEN, secrets.token_hex(32))

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import write_result
+from bench.common import ensure_internal_token, write_result
 from bench.gpu_engine import make_config_dir, random_prompts
 from engine.launcher import Cluster
 from engine.sampling_params import SamplingParams
@@ -30,6 +30,8 @@ from tests.integration.services import (
     get_load,
     prefill_stub,
 )
+
+ensure_internal_token()
 
 FLAGS = [
     "--device",

@@ -42,8 +42,10 @@ if __package__ in (None, ""):  # run as a script: make `bench`, `gateway`, `prot
 
 import grpc  # noqa: E402
 
-from bench.common import print_table, write_result  # noqa: E402
+from bench.common import ensure_internal_token, print_table, write_result  # noqa: E402
 from protos import common_pb2, decode_pb2, decode_pb2_grpc  # noqa: E402
+
+ensure_internal_token()
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SERVED = "smollm2"

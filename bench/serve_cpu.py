@@ -47,8 +47,10 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `bench`, `engine`, `protos` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table, write_result  # noqa: E402
+from bench.common import ensure_internal_token, print_table, write_result  # noqa: E402
 from engine.launcher import Cluster  # noqa: E402
+
+ensure_internal_token()
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 CONFIGS = ("1p1d", "colocated")
@@ -190,8 +192,11 @@ def get_load(address: str) -> dict[str, Any]:
 
     from protos import common_pb2, decode_pb2_grpc
 
+    token = ensure_internal_token()
     with grpc.insecure_channel(address) as channel:
-        resp = decode_pb2_grpc.DecodeStub(channel).GetLoad(common_pb2.LoadRequest(), timeout=10)
+        resp = decode_pb2_grpc.DecodeStub(channel).GetLoad(
+            common_pb2.LoadRequest(), timeout=10, metadata=[("authorization", f"Bearer {token}")]
+        )
     return MessageToDict(
         resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )

@@ -5,6 +5,11 @@ tandem prefill [MODEL] [--port P] [engine flags]
 tandem decode  [MODEL] [--port P] [engine flags]
 tandem gateway --model MODEL --decode host:port,... [--prefill host:port,...]
 tandem generate [MODEL] --prompt TEXT      (offline, no services)
+
+prefill, decode and gateway authenticate each other with the token in the file named by
+TANDEM_INTERNAL_TOKEN_FILE (or in TANDEM_INTERNAL_TOKEN) and refuse to start without one, unless
+--insecure-internal (a trusted single host); `serve` makes one per launch. Optional mTLS:
+TANDEM_INTERNAL_TLS_CERT / _KEY / _CA. KV transfers: --kv-interface IFACE (TANDEM_KV_INTERFACE).
 """
 
 from __future__ import annotations

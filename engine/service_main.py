@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
+import os
+import socket
 import sys
 import uuid
 from collections.abc import Callable
@@ -17,16 +20,19 @@ from typing import Any
 
 import grpc
 
-from engine.async_engine import AsyncEngine
+from engine import internal_auth
+from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.engine_core import EngineCore
-from engine.internal_auth import server_interceptors
 from engine.metrics import start_metrics_server
-from engine.registry import add_registry_args
+from engine.registry import add_registry_args, resolve_redis_url
 from engine.serving import KVPublishing, add_engine_args, engine_config_from_args, serve_health
 from engine.tokenizer import get_eos_token_ids, load_tokenizer
 from kv_transfer import Agent
 
 logger = logging.getLogger(__name__)
+DEATH_GRACE_S = 2.0  # after the engine loop died: for streams to send their error
+EXIT_ENGINE_DEAD = 3  # the engine loop died (the supervisor restarts the process)
+ENV_KV_INTERFACE = "TANDEM_KV_INTERFACE"
 
 
 @dataclass
@@ -60,12 +66,53 @@ def service_parser(role: str) -> argparse.ArgumentParser:
         help="Prometheus /metrics on this port (0: any free one); off if unset",
     )
     parser.add_argument("--metrics-host", default="127.0.0.1")
+    parser.add_argument(
+        "--kv-interface",
+        default=os.environ.get(ENV_KV_INTERFACE) or None,
+        metavar="IFACE",
+        help="network interface(s) UCX uses and listens on for KV transfers, e.g. eth1 or "
+        f"mlx5_0:1 (default: ${ENV_KV_INTERFACE}; else lo when --host is loopback, else all)",
+    )
+    internal_auth.add_internal_auth_args(parser)
     return parser
 
 
-def _make_agent(name: str, backend: str, core: EngineCore) -> Agent:
+def kv_net_devices(host: str, kv_interface: str | None) -> str | None:
+    """UCX_NET_DEVICES of this service's transfer agent (None: every device). Shared memory
+    is no network device: one-host transfers keep cma/posix/sysv whatever this says."""
+    if kv_interface:
+        known = [name for _, name in socket.if_nameindex()]
+        # `dev:port` names are RDMA devices, not interfaces; UCX itself checks those.
+        for name in kv_interface.split(","):
+            if ":" not in name and name not in known:
+                raise ValueError(
+                    f"--kv-interface {kv_interface}: this host has no network interface "
+                    f"{name!r} (it has {', '.join(known)}); name the data-plane interface"
+                )
+        return kv_interface
+    if _is_loopback(host):
+        return "lo"
+    logger.warning(
+        "UCX listens for KV transfers on every network interface (--host %s is not loopback); "
+        "pass --kv-interface IFACE (or set %s) to keep KV traffic on the data-plane network",
+        host,
+        ENV_KV_INTERFACE,
+    )
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
+def _make_agent(name: str, backend: str, net_devices: str | None, core: EngineCore) -> Agent:
     """Runs on the engine thread, which owns the agent from then on."""
-    agent = Agent(name, backend)
+    agent = Agent(name, backend, net_devices=net_devices)
     agent.register_memory([core.runner.kv_cache])
     return agent
 
@@ -80,16 +127,18 @@ async def run_service(
     config = engine_config_from_args(args)
     engine = AsyncEngine(EngineCore(config))
     instance_id = args.instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
-    agent = await engine.call(_make_agent, instance_id, args.kv_backend, engine.core)
+    agent = await engine.call(
+        _make_agent, instance_id, args.kv_backend, args.kv_net_devices, engine.core
+    )
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
     eos = get_eos_token_ids(tokenizer, config.model.generation_config)
     kv = KVPublishing(engine, role, instance_id, args.model)
     ctx = ServiceContext(args, engine, agent, instance_id, eos, kv)
     servicer = make_servicer(ctx)
-    server = grpc.aio.server(interceptors=server_interceptors())
+    server = grpc.aio.server(interceptors=internal_auth.server_interceptors())
     add_servicer(servicer, server)
     health_task = await serve_health(server, service_name, engine)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    port = internal_auth.add_port(server, f"{args.host}:{args.port}")
     await server.start()
     if args.redis_url:
         address = args.advertise_address or f"{args.host}:{port}"
@@ -109,17 +158,62 @@ async def run_service(
     )
     print(f"READY {role} {args.host}:{port}", flush=True)
     try:
-        await server.wait_for_termination()
+        if await _serve_until_engine_dies(server, engine):
+            await _die(server, engine, health_task, kv)
     finally:
         health_task.cancel()
         kv.stop()
         engine.shutdown()
 
 
+async def _serve_until_engine_dies(server: grpc.aio.Server, engine: AsyncEngine) -> bool:
+    """Serve until the server terminates (False) or the engine loop dies (True)."""
+    loop = asyncio.get_running_loop()
+    died = asyncio.Event()
+    engine.on_death.append(lambda exc: loop.call_soon_threadsafe(died.set))
+    if engine.error is not None:  # died before the callback was in place
+        died.set()
+    # Not cancelled: that would cancel the server's own shutdown future, and `server.stop`
+    # would then raise CancelledError. It ends with the server.
+    terminated = asyncio.ensure_future(server.wait_for_termination())
+    death = asyncio.ensure_future(died.wait())
+    try:
+        await asyncio.wait([terminated, death], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        death.cancel()
+    return died.is_set()
+
+
+async def _die(
+    server: grpc.aio.Server, engine: AsyncEngine, health_task: asyncio.Task, kv: KVPublishing
+) -> None:
+    """The engine loop died: every open stream already got `EngineDeadError`. Be unhealthy
+    everywhere (gRPC health, Redis), give those streams `DEATH_GRACE_S` to send their error,
+    then raise `EngineDeadError` so that the process exits non-zero and gets restarted."""
+    try:
+        await asyncio.wait_for(health_task, DEATH_GRACE_S)  # it ends once NOT_SERVING is set
+    except TimeoutError:
+        logger.error("health did not turn NOT_SERVING within %.1f s", DEATH_GRACE_S)
+    await asyncio.to_thread(kv.stop)  # no more heartbeats; leave the Redis pool now
+    await server.stop(DEATH_GRACE_S)
+    raise EngineDeadError(f"engine loop died: {engine.error!r}") from engine.error
+
+
 def service_main(parser: argparse.ArgumentParser, serve, argv: list[str] | None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # Before any model loads: a misconfigured service stops here with one line saying why.
+    try:
+        internal_auth.check_startup(args.insecure_internal)
+        args.redis_url = resolve_redis_url(args.redis_url)
+        args.kv_net_devices = kv_net_devices(args.host, args.kv_interface)
+    except ValueError as e:
+        raise SystemExit(f"{parser.prog}: {e}") from None
     # The engine thread and the gRPC event loop share the GIL; hand it over every 0.5 ms, not
     # every 5 ms, so a reply or a KV notification never waits behind a busy engine loop.
     sys.setswitchinterval(0.0005)
-    asyncio.run(serve(args))
+    try:
+        asyncio.run(serve(args))
+    except EngineDeadError as e:  # the loop's traceback is logged already
+        logger.critical("exiting with code %d: %s", EXIT_ENGINE_DEAD, e)
+        sys.exit(EXIT_ENGINE_DEAD)

@@ -11,7 +11,10 @@ from collections.abc import Sequence
 import uvicorn
 from pydantic import ValidationError
 
+from engine import internal_auth
+from engine.registry import resolve_redis_url
 from gateway.app import create_app
+from gateway.auth import KeyStore
 from gateway.config import GatewaySettings
 
 
@@ -25,13 +28,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, help="default: the model's context length")
     p.add_argument("--decode", help="decode instances, host:port,...")
     p.add_argument("--prefill", help="prefill instances, host:port,... (none: local prefill)")
-    p.add_argument("--redis-url", help="quotas, registry, index (default: $TANDEM_REDIS_URL)")
+    p.add_argument(
+        "--redis-url",
+        help="quotas, registry, index; no password here (default: $TANDEM_REDIS_URL, or the file "
+        "named by $TANDEM_REDIS_URL_FILE)",
+    )
     p.add_argument("--metrics-port", type=int, help="Prometheus port (default off; 0: any)")
     p.add_argument("--metrics-host", help="Prometheus bind address (default 127.0.0.1)")
     # Keys themselves are never flags (argv is visible to every user): TANDEM_API_KEYS.
     p.add_argument("--api-keys-file", help="key file (default: $TANDEM_API_KEYS_FILE)")
     p.add_argument("--router", choices=["kv", "round_robin"], help="routing policy (default kv)")
     p.add_argument("--log-level", default="info")
+    internal_auth.add_internal_auth_args(p)  # the token and TLS files: environment only
     return p.parse_args(argv)
 
 
@@ -53,10 +61,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    try:  # before the tokenizer loads: a gateway that must not start stops at once
+        internal_auth.check_startup(args.insecure_internal)
+    except internal_auth.InternalAuthError as e:
+        raise SystemExit(f"tandem gateway: {e}") from None
+    try:  # --redis-url without a password; else TANDEM_REDIS_URL or TANDEM_REDIS_URL_FILE
+        args.redis_url = resolve_redis_url(args.redis_url)
+    except ValueError as e:
+        raise SystemExit(f"tandem gateway: {e}") from None
     try:
         settings = settings_from_args(args)
     except ValidationError as e:
         raise SystemExit(f"tandem gateway: invalid settings:\n{e}") from None
+    try:  # keys before the tokenizer loads: a misconfigured gateway stops at once
+        KeyStore.from_settings(settings)
+    except ValueError as e:  # key file errors name lines, never keys
+        raise SystemExit(f"tandem gateway: {e}") from None
     try:
         app = create_app(settings)
     except ValueError as e:  # key file errors name lines, never keys

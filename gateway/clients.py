@@ -38,7 +38,7 @@ class DecodeClients:
     def stub(self, instance: Instance) -> decode_pb2_grpc.DecodeStub:
         stub = self._stubs.get(instance.address)
         if stub is None:
-            channel = internal_auth.insecure_channel(instance.address, options=_CHANNEL_OPTIONS)
+            channel = internal_auth.internal_channel(instance.address, options=_CHANNEL_OPTIONS)
             self._channels[instance.address] = channel
             stub = self._stubs[instance.address] = decode_pb2_grpc.DecodeStub(channel)
         return stub

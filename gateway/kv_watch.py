@@ -85,7 +85,7 @@ class WatchedIndex(EmbeddedIndex):
             await channel.close()
 
     async def _watch(self, instance: Instance, role: str) -> None:
-        channel = internal_auth.insecure_channel(instance.address, options=_CHANNEL_OPTIONS)
+        channel = internal_auth.internal_channel(instance.address, options=_CHANNEL_OPTIONS)
         self._channels.append(channel)
         stub_cls = decode_pb2_grpc.DecodeStub if role == "decode" else prefill_pb2_grpc.PrefillStub
         stub = stub_cls(channel)

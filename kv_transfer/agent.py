@@ -70,23 +70,36 @@ class TransferHandle:
 
 
 class Agent:
-    def __init__(self, name: str, backend: str = "ucx", *, peer_error_handling: bool = False):
+    def __init__(
+        self,
+        name: str,
+        backend: str = "ucx",
+        *,
+        peer_error_handling: bool = False,
+        net_devices: str | None = None,
+    ):
         """`peer_error_handling` (UCX only): let UCX detect dead peers itself, at the cost of
-        one-sided RMA (see `ucx.py`). Off by default: the peer-process check covers one host."""
+        one-sided RMA (see `ucx.py`). Off by default: the peer-process check covers one host.
+        `net_devices` (UCX only): the network devices UCX may use and listen on, e.g. "lo" or
+        "eth1" (UCX_NET_DEVICES); None: all of them."""
         if not name:
             raise ValueError("agent name must be non-empty")
         self.name = name
         self.backend_name = backend
-        self._backend = self._make_backend(name, backend, peer_error_handling)
+        self._backend = self._make_backend(name, backend, peer_error_handling, net_devices)
         self._tensors: list[torch.Tensor] = []  # keeps registered memory alive
         self._remotes: dict[str, AgentMetadata] = {}
 
     @staticmethod
-    def _make_backend(name: str, backend: str, peer_error_handling: bool) -> TransferBackend:
+    def _make_backend(
+        name: str, backend: str, peer_error_handling: bool, net_devices: str | None
+    ) -> TransferBackend:
         if backend == "ucx":
             from kv_transfer.ucx import UcxBackend
 
-            return UcxBackend(name, peer_error_handling=peer_error_handling)
+            return UcxBackend(
+                name, peer_error_handling=peer_error_handling, net_devices=net_devices
+            )
         if backend == "inproc":
             from kv_transfer.inproc import InprocBackend
 
@@ -170,6 +183,11 @@ class Agent:
 
     def progress(self) -> None:
         self._backend.progress()
+
+    @property
+    def num_rejected_messages(self) -> int:
+        """Malformed or unexpected messages peers sent us: dropped, never raised."""
+        return self._backend.num_rejected_messages
 
     def close(self) -> None:
         """Release the backend; in-flight transfers end in ERR."""

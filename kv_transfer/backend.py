@@ -102,6 +102,11 @@ class TransferBackend(ABC):
     @abstractmethod
     def take_notifs(self) -> list[tuple[str, bytes]]: ...
 
+    @property
+    def num_rejected_messages(self) -> int:
+        """Messages from peers that were malformed or unexpected, dropped and counted."""
+        return 0
+
     @abstractmethod
     def close(self) -> None:
         """Release everything; in-flight requests end in ERR."""

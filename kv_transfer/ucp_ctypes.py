@@ -256,18 +256,26 @@ def tag_send(ep: int, payload: bytes, tag: int) -> int | None:
     return _as_request("ucp_tag_send_nbx", _tag_send_nbx(ep, payload, len(payload), tag, _NO_PARAM))
 
 
-def tag_try_recv(worker: int, tag: int) -> tuple[ctypes.Array, int | None] | None:
-    """Take one message with exactly `tag` off the unexpected queue, if there is one."""
+def tag_try_recv(
+    worker: int, tag: int, tag_mask: int = TAG_MASK_FULL, max_bytes: int | None = None
+) -> tuple[ctypes.Array, int | None, int, int] | None:
+    """Take one message matching `tag` under `tag_mask` (0: any) off the unexpected queue, if
+    there is one: (buffer, request or None when done at once, the sender's tag, the status if
+    done at once). A message longer than `max_bytes` is received truncated: it completes (now
+    or later) with an error status."""
     info = _TagRecvInfo()
-    msg = _tag_probe_nb(worker, tag, TAG_MASK_FULL, 1, byref(info))
+    msg = _tag_probe_nb(worker, tag, tag_mask, 1, byref(info))
     if not msg:
         return None
-    buf = ctypes.create_string_buffer(info.length)
-    req = _as_request(
-        "ucp_tag_msg_recv_nbx",
-        _tag_msg_recv_nbx(worker, buf, info.length, msg, _NO_PARAM),
-    )
-    return buf, req
+    length = info.length if max_bytes is None else min(info.length, max_bytes)
+    buf = ctypes.create_string_buffer(max(length, 1))
+    try:
+        req = _as_request(
+            "ucp_tag_msg_recv_nbx", _tag_msg_recv_nbx(worker, buf, length, msg, _NO_PARAM)
+        )
+    except UcxError as e:  # completed at once with an error (e.g. truncated)
+        return buf, None, info.sender_tag, e.status
+    return buf, req, info.sender_tag, UCS_OK
 
 
 def request_status(req: int) -> int:

@@ -77,7 +77,9 @@ def _unpack_blob(blob: bytes) -> tuple[bytes, list[bytes]]:
 
 
 class UcxBackend(TransferBackend):
-    def __init__(self, name: str, peer_error_handling: bool = False) -> None:
+    def __init__(
+        self, name: str, peer_error_handling: bool = False, net_devices: str | None = None
+    ) -> None:
         from ucxx._lib import libucxx
 
         self.name = name
@@ -86,6 +88,11 @@ class UcxBackend(TransferBackend):
         # those fall back to TCP at ~0.4 GB/s); it does not change endpoints without it.
         # WARN_UNUSED_ENV_VARS: ucxx exports UCX_MEMTYPE_CACHE, which UCX 1.21 warns about.
         config = {"MM_ERROR_HANDLING": "y", "KEEPALIVE_INTERVAL": "1s", "WARN_UNUSED_ENV_VARS": "n"}
+        if net_devices:
+            # UCX opens a TCP listener on every network device it may use (all by default, so
+            # the external interface too). NET_DEVICES narrows TCP/RDMA to these; shared memory
+            # (sysv, posix, cma) and self are no network devices and stay available.
+            config["NET_DEVICES"] = net_devices
         features = (libucxx.Feature.TAG, libucxx.Feature.RMA)
         self._ctx = libucxx.UCXContext(config_dict=config, feature_flags=features)
         self._worker = libucxx.UCXWorker(self._ctx)
@@ -233,6 +240,10 @@ class UcxBackend(TransferBackend):
             return False
         ucp.request_free(req)
         return True
+
+    @property
+    def num_rejected_messages(self) -> int:
+        return self._inbox.num_rejected
 
     def take_notifs(self) -> list[tuple[str, bytes]]:
         self.progress()

@@ -25,6 +25,10 @@ logger = logging.getLogger(__name__)
 _NOTIF_TAG = 0x5444_4D4B_5654_0001  # "TDMKVT" + 1: tag of every notification message
 _MAGIC = b"TKV1"
 _HEADER = struct.Struct("<4sH")  # magic, sender name length
+# Notifications are `transfer_id:token` from a named agent: a few hundred bytes. Anything longer
+# is received truncated (UCX then completes it with an error) and dropped, so a hostile peer
+# cannot make us allocate what it likes.
+MAX_NOTIF_BYTES = 4096
 
 
 class UcxRequest(XferRequest):
@@ -98,12 +102,21 @@ class UcxRequest(XferRequest):
 
 
 class NotifInbox:
-    """Receives notification messages (any sender) from the worker's unexpected-tag queue."""
+    """Receives notification messages (any sender) from the worker's unexpected-tag queue.
+
+    Every message that reaches the worker is untrusted input: a message with another tag, a
+    bad header, a sender name that is not UTF-8, or over `MAX_NOTIF_BYTES` is taken off the
+    queue, counted in `num_rejected` and dropped (logged once per kind); nothing here raises
+    on what a peer sent, so no message can stop the loop that polls us.
+    """
 
     def __init__(self, worker: int) -> None:
         self._worker = worker
-        self._receiving: list[tuple[ctypes.Array, int | None]] = []  # in arrival order
+        # (buffer, request or None, has the notification tag, status if done), arrival order
+        self._receiving: list[tuple[ctypes.Array, int | None, bool, int]] = []
         self._ready: list[tuple[str, bytes]] = []
+        self.num_rejected = 0
+        self._logged: set[str] = set()
 
     @staticmethod
     def encode(sender: str, notif: bytes) -> bytes:
@@ -111,35 +124,52 @@ class NotifInbox:
         return _HEADER.pack(_MAGIC, len(name)) + name + bytes(notif)
 
     def poll(self) -> None:
-        while (got := ucp.tag_try_recv(self._worker, _NOTIF_TAG)) is not None:
-            self._receiving.append(got)
+        # Any tag: messages with tags nobody receives would otherwise pile up in UCX forever.
+        while (got := ucp.tag_try_recv(self._worker, 0, 0, MAX_NOTIF_BYTES)) is not None:
+            buf, req, sender_tag, status = got
+            self._receiving.append((buf, req, sender_tag == _NOTIF_TAG, status))
         while self._receiving:  # deliver in arrival order: stop at the first incomplete one
-            buf, req = self._receiving[0]
+            buf, req, is_notif, status = self._receiving[0]
             if req is not None:
                 status = ucp.request_status(req)
                 if status == ucp.UCS_INPROGRESS:
                     return
                 ucp.request_free(req)
-                if status != ucp.UCS_OK:
-                    raise ucp.UcxError("notification receive", status)
             self._receiving.pop(0)
-            self._deliver(buf.raw)
+            if not is_notif:
+                self._reject("a message with an unknown tag")
+            elif status != ucp.UCS_OK:  # truncated (too long) or broken
+                self._reject(f"a notification that failed to arrive ({ucp.status_string(status)})")
+            else:
+                self._deliver(buf.raw)
 
     def _deliver(self, msg: bytes) -> None:
         if len(msg) < _HEADER.size or msg[:4] != _MAGIC:
-            logger.error(
-                "dropping a %d-byte message with the notification tag: bad header", len(msg)
-            )
+            self._reject("a notification with a bad header")
             return
         _, name_len = _HEADER.unpack_from(msg)
-        name = msg[_HEADER.size : _HEADER.size + name_len].decode()
-        self._ready.append((name, msg[_HEADER.size + name_len :]))
+        end = _HEADER.size + name_len
+        try:
+            name = msg[_HEADER.size : end].decode()
+        except UnicodeDecodeError:
+            self._reject("a notification whose sender name is not UTF-8")
+            return
+        if not name or end > len(msg):
+            self._reject("a notification with a truncated sender name")
+            return
+        self._ready.append((name, msg[end:]))
+
+    def _reject(self, what: str) -> None:
+        self.num_rejected += 1
+        if what not in self._logged:  # once per kind: a flood must not flood the log too
+            self._logged.add(what)
+            logger.warning("Dropped %s (counted in num_rejected; further ones not logged)", what)
 
     def take(self) -> list[tuple[str, bytes]]:
         ready, self._ready = self._ready, []
         return ready
 
     def close(self) -> None:
-        for _, req in self._receiving:
+        for _, req, _, _ in self._receiving:
             if req is not None:
                 ucp.request_free(req)  # buffers stay referenced here until the worker is gone

@@ -12,6 +12,14 @@ if not torch.cuda.is_available():
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import secrets  # noqa: E402
+
+from engine.internal_auth import ENV_TOKEN  # noqa: E402
+
+# Services and gateways refuse to start without an internal token: every process a test starts
+# inherits this one, and the test's own gRPC clients (`internal_channel`) send it.
+os.environ.setdefault(ENV_TOKEN, secrets.token_hex(32))
+
 import pytest  # noqa: E402
 
 from tests.fixtures.tiny_models import make_tiny_checkpoint  # noqa: E402

@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
-
+from engine.internal_auth import internal_channel
 from engine.launcher import Cluster
 from engine.sampling_params import SamplingParams
 from engine.serving import sampling_params_to_proto
@@ -62,11 +61,11 @@ async def collect(stub, req) -> tuple[list[int], object, object]:
 
 
 def decode_stub(addr: str):
-    return decode_pb2_grpc.DecodeStub(grpc.aio.insecure_channel(addr))
+    return decode_pb2_grpc.DecodeStub(internal_channel(addr))
 
 
 def prefill_stub(addr: str):
-    return prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(addr))
+    return prefill_pb2_grpc.PrefillStub(internal_channel(addr))
 
 
 async def get_load(stub):
