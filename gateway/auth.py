@@ -6,6 +6,10 @@ argv. Only SHA-256 digests are kept. A presented key is hashed and compared with
 `hmac.compare_digest` against every stored digest, without stopping at a match, so the time
 taken says nothing about which key (or how much of one) matched.
 
+Neither variable set: auth is off (the gateway says so loudly). One set but holding no key (empty,
+blank, only commas or `#` comments, an empty file) is an error, not "auth off": the gateway
+refuses to start, since that is a slip far more often than a choice.
+
 Nothing here ever puts a key, or a field of a line that might be one, into a message: parse
 errors name the source and line number only. A key without a tenant belongs to the tenant
 "default" (several bare keys = one tenant rotating its keys). Limits left out of a line come
@@ -104,36 +108,63 @@ class KeyStore:
 
     @classmethod
     def from_settings(cls, settings: GatewaySettings) -> KeyStore:
+        """The keys of `TANDEM_API_KEYS` and `TANDEM_API_KEYS_FILE`. Neither set: an empty store
+        (auth off, announced by the caller). One set but holding no key (empty, blank, commas,
+        only comments, an empty file) is a ValueError: a slip must not silently turn auth off."""
         defaults = default_limits(settings)
-        lines: list[tuple[str, str, bool]] = []  # (where, text, may it set limits)
+        # (what is set, how to unset it, its lines: (where, text, may it set limits))
+        sources: list[tuple[str, str, list[tuple[str, str, bool]]]] = []
         if settings.api_keys is not None:
             items = settings.api_keys.get_secret_value().split(",")
-            lines += [(f"TANDEM_API_KEYS entry {i}", t, False) for i, t in enumerate(items, 1)]
+            lines = [(f"TANDEM_API_KEYS entry {i}", t, False) for i, t in enumerate(items, 1)]
+            sources.append(("TANDEM_API_KEYS", "unset TANDEM_API_KEYS", lines))
         if settings.api_keys_file is not None:
             try:
                 text = settings.api_keys_file.read_text()
             except OSError as e:
                 raise ValueError(f"cannot read TANDEM_API_KEYS_FILE: {e.strerror}") from None
-            lines += [
+            lines = [
                 (f"TANDEM_API_KEYS_FILE line {i}", t, True)
                 for i, t in enumerate(text.splitlines(), 1)
             ]
+            what = f"TANDEM_API_KEYS_FILE ({settings.api_keys_file})"
+            sources.append((what, "unset TANDEM_API_KEYS_FILE / drop --api-keys-file", lines))
         entries: list[tuple[bytes, Principal]] = []
-        groups: dict[str, str | None] = {}
-        for where, text, allow_limits in lines:
-            text = text.strip()
-            if not text or text.startswith("#"):
-                continue
-            key, principal = _parse_line(text, where, defaults, allow_limits=allow_limits)
-            digest = hashlib.sha256(key.encode()).digest()
-            if any(hmac.compare_digest(digest, d) for d, _ in entries):
-                raise ValueError(f"{where}: duplicate key")
-            if groups.setdefault(principal.tenant, principal.trust_group) != principal.trust_group:
-                raise ValueError(f"{where}: tenant has a different trust_group on another line")
-            if len(key) < _MIN_KEY_LEN:
-                logger.warning("%s: key is shorter than %d characters", where, _MIN_KEY_LEN)
-            entries.append((digest, principal))
+        groups: dict[str, str | None] = {}  # tenant -> its trust group
+        for what, how_to_unset, lines in sources:
+            num_entries_before = len(entries)
+            for where, text, allow_limits in lines:
+                _add_line(entries, groups, where, text.strip(), defaults, allow_limits)
+            if len(entries) == num_entries_before:
+                raise ValueError(
+                    f"{what} is set but holds no key (only blanks, commas or # comments); the "
+                    "gateway refuses to start rather than serve without auth. Give at least one "
+                    f"key, or {how_to_unset} to run without auth explicitly (every request is "
+                    "then served without a key)."
+                )
         return cls(entries)
+
+
+def _add_line(
+    entries: list[tuple[bytes, Principal]],
+    groups: dict[str, str | None],
+    where: str,
+    text: str,
+    defaults: TenantLimits,
+    allow_limits: bool,
+) -> None:
+    """Parse one stripped line into `entries` (blank lines and `#` comments add nothing)."""
+    if not text or text.startswith("#"):
+        return
+    key, principal = _parse_line(text, where, defaults, allow_limits=allow_limits)
+    digest = hashlib.sha256(key.encode()).digest()
+    if any(hmac.compare_digest(digest, d) for d, _ in entries):
+        raise ValueError(f"{where}: duplicate key")
+    if groups.setdefault(principal.tenant, principal.trust_group) != principal.trust_group:
+        raise ValueError(f"{where}: tenant has a different trust_group on another line")
+    if len(key) < _MIN_KEY_LEN:
+        logger.warning("%s: key is shorter than %d characters", where, _MIN_KEY_LEN)
+    entries.append((digest, principal))
 
 
 def _parse_line(

@@ -62,6 +62,7 @@ class GatewaySettings(BaseSettings):
     redis_url: str | None = Field(None, validation_alias="TANDEM_REDIS_URL")
     # API keys come from the environment or a mounted file, never from argv (visible in `ps`).
     # `key` or `key:tenant`, comma-separated; SecretStr keeps them out of reprs and errors.
+    # Neither set: auth off. Set but holding no key: the gateway refuses to start (gateway.auth).
     api_keys: SecretStr | None = Field(None, validation_alias="TANDEM_API_KEYS")
     # One `key[:tenant[:limits-json]]` per line, `#` comments (see gateway.auth).
     api_keys_file: Path | None = Field(None, validation_alias="TANDEM_API_KEYS_FILE")

@@ -12,6 +12,12 @@ Semantics (identical in Redis, `quota_redis.py`, and here), per quota id (one AP
     request runs (`renew`), expired if a gateway dies holding them.
   * admission is all-or-nothing: the three checks and the recording happen in one atomic step
     (one Lua script in Redis; one synchronous call on the event loop here).
+  * every step is idempotent per request id (ids are unique per request): acquiring a request
+    already recorded records nothing more, settling twice frees one slot. Redis calls can be
+    retried, or run late after the client gave up on them, without counting anything twice.
+  * `adopt` records a request that another backend admitted, without checking limits (it is
+    already running): how the service hands in-flight requests between Redis and memory when
+    it switches (`gateway.quota_service`), so that the new authority counts them.
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ class QuotaBackend(ABC):
     """Contract: `acquire` is atomic per quota id across every gateway sharing the backend;
     it checks max_concurrent, requests_per_min and tokens_per_min (0 = unlimited) and, only if
     all pass, records the request (window entry with `num_tokens`, a slot when max_concurrent
-    is set). `settle` sets the entry's tokens to the actual use and frees the slot; settling an
+    is set); a request id already recorded is admitted again with nothing more recorded.
+    `settle` sets the entry's tokens to the actual use and frees the slot; settling an
     unknown or already-expired request is a no-op. `renew` extends held slots' leases.
     Backends raise on infrastructure failure (the service then falls back)."""
 
@@ -103,6 +110,8 @@ class MemoryQuota(QuotaBackend):
         now = self.clock()
         bucket = self._buckets.setdefault(quota_id, _Bucket())
         self._trim(bucket, now)
+        if request_id in bucket.log or request_id in bucket.slots:
+            return Decision(True)  # recorded already: idempotent
         if limits.max_concurrent and len(bucket.slots) >= limits.max_concurrent:
             return Decision(False, "max_concurrent", CONCURRENCY_RETRY_S)
         if limits.requests_per_min and len(bucket.log) >= limits.requests_per_min:
@@ -120,6 +129,19 @@ class MemoryQuota(QuotaBackend):
         if limits.max_concurrent:
             bucket.slots[request_id] = now + self.lease_s
         return Decision(True)
+
+    def adopt_now(self, quota_id: str, request_id: str, num_tokens: int, has_slot: bool) -> None:
+        """Record a request admitted elsewhere (running): no limit is checked. A recorded
+        request keeps its entry; its slot's lease is refreshed. The entry is timed now (not at
+        its admission): it may stay in the window longer than it would have, never shorter."""
+        now = self.clock()
+        bucket = self._buckets.setdefault(quota_id, _Bucket())
+        self._trim(bucket, now)
+        if request_id not in bucket.log:
+            bucket.log[request_id] = (now, num_tokens)
+            bucket.num_tokens += num_tokens
+        if has_slot:
+            bucket.slots[request_id] = now + self.lease_s
 
     async def settle(self, quota_id: str, request_id: str, num_tokens: int) -> None:
         self.settle_now(quota_id, request_id, num_tokens)

@@ -8,12 +8,26 @@ Keys per quota id (hash-tagged, so one key's state stays in one cluster slot):
   tandem:quota:{id}:amt    HASH  request id -> tokens (reserved, then actual)
   tandem:quota:{id}:sum    STR   sum of `amt` over the entries in `log`
   tandem:quota:{id}:slots  ZSET  request id -> lease expiry (ms)
-All four expire after window + lease without traffic, so idle keys leave nothing behind.
+  tandem:quota:{id}:done   ZSET  released request id -> tombstone expiry (ms)
+All five expire after window + lease without traffic, so idle keys leave nothing behind.
+
+Every script is idempotent per request id, so a call may be retried, and a call the client gave
+up on (timeout) may still run late, when a hung Redis resumes, without counting twice:
+  * `acquire` of a request id already recorded admits it again and records nothing more;
+  * `adopt` records a request admitted elsewhere (the gateway's memory while Redis was
+    unreachable) without checking limits: it is already running; recorded ones are left as
+    they are, but the slot's lease is refreshed;
+  * `settle` / `forget` free the slot (keeping the entry with the actual tokens, or removing it);
+    with `tombstone`, they leave the id in `done` for window + lease, and an `acquire` or `adopt`
+    of a tombstoned id that runs late records nothing. The service asks for a tombstone only
+    for requests some call of which failed, the only ones a late call can exist for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import redis.asyncio as aioredis
 
@@ -25,8 +39,9 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: log, amt, sum, slots. ARGV: request id, tokens, rpm, tpm, max concurrent, window ms,
-# lease ms. Returns {1} or {0, reason, retry_after_ms}.
+# KEYS: log, amt, sum, slots, done. ARGV: request id, tokens, rpm, tpm, max concurrent,
+# window ms, lease ms, concurrency retry ms. Returns {1} or {0, reason, retry_after_ms}; reason
+# 'released' for a tombstoned id (an acquire that ran after its request was released).
 _ACQUIRE = (
     _NOW_MS
     + """
@@ -44,6 +59,9 @@ while true do
   redis.call('HDEL', KEYS[2], unpack(old))
   redis.call('ZREM', KEYS[1], unpack(old))
 end
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
+if redis.call('ZSCORE', KEYS[5], id) then return {0, 'released', 0} end
+if redis.call('ZSCORE', KEYS[1], id) or redis.call('ZSCORE', KEYS[4], id) then return {1} end
 local count = redis.call('ZCARD', KEYS[1])
 local used = tonumber(redis.call('GET', KEYS[3]) or '0')
 if count == 0 then used = 0 end
@@ -80,16 +98,45 @@ return {1}
 """
 )
 
-# KEYS: amt, sum, slots. ARGV: request id, actual tokens.
-_SETTLE = """
-local reserved = redis.call('HGET', KEYS[1], ARGV[1])
-if reserved then
-  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-  redis.call('INCRBY', KEYS[2], tonumber(ARGV[2]) - tonumber(reserved))
+# KEYS: log, amt, sum, slots, done. ARGV: op ('adopt' | 'settle' | 'forget'), request id, tokens
+# (adopt: reserved; settle: actual), has slot (adopt), tombstone (settle, forget), window ms,
+# lease ms. Returns 1, or 0 for an adopt of a tombstoned id (it ran after the release).
+_RECORD = (
+    _NOW_MS
+    + """
+local op, id, tokens = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local has_slot, tombstone = ARGV[4] == '1', ARGV[5] == '1'
+local window, lease = tonumber(ARGV[6]), tonumber(ARGV[7])
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
+if op == 'adopt' then
+  if redis.call('ZSCORE', KEYS[5], id) then return 0 end
+  if not redis.call('ZSCORE', KEYS[1], id) then
+    if redis.call('ZCARD', KEYS[1]) == 0 then redis.call('SET', KEYS[3], 0) end
+    redis.call('ZADD', KEYS[1], now, id)
+    redis.call('HSET', KEYS[2], id, tokens)
+    redis.call('INCRBY', KEYS[3], tokens)
+  end
+  if has_slot then redis.call('ZADD', KEYS[4], now + lease, id) end
+  for i = 1, 4 do redis.call('PEXPIRE', KEYS[i], window + lease) end
+  return 1
 end
-redis.call('ZREM', KEYS[3], ARGV[1])
+local reserved = redis.call('HGET', KEYS[2], id)
+if reserved and op == 'settle' then
+  redis.call('HSET', KEYS[2], id, tokens)
+  redis.call('INCRBY', KEYS[3], tokens - tonumber(reserved))
+elseif reserved then
+  redis.call('HDEL', KEYS[2], id)
+  redis.call('ZREM', KEYS[1], id)
+  redis.call('DECRBY', KEYS[3], tonumber(reserved))
+end
+redis.call('ZREM', KEYS[4], id)
+if tombstone then
+  redis.call('ZADD', KEYS[5], now + window + lease, id)
+  redis.call('PEXPIRE', KEYS[5], window + lease)
+end
 return 1
 """
+)
 
 # KEYS: slots of each held request. ARGV: lease ms, window ms, then one request id per key.
 _RENEW = (
@@ -106,9 +153,21 @@ return 1
 )
 
 
-def _keys(quota_id: str) -> tuple[str, str, str, str]:
+def _keys(quota_id: str) -> tuple[str, ...]:
     prefix = f"tandem:quota:{{{quota_id}}}"
-    return f"{prefix}:log", f"{prefix}:amt", f"{prefix}:sum", f"{prefix}:slots"
+    return tuple(f"{prefix}:{name}" for name in ("log", "amt", "sum", "slots", "done"))
+
+
+@dataclass(frozen=True)
+class Record:
+    """One idempotent change to one request's record (see the module docstring)."""
+
+    op: Literal["adopt", "settle", "forget"]
+    quota_id: str
+    request_id: str
+    num_tokens: int = 0  # adopt: reserved; settle: actual
+    has_slot: bool = False  # adopt: also hold a concurrency slot
+    tombstone: bool = False  # settle / forget: a late acquire or adopt must not record it
 
 
 class RedisQuota(QuotaBackend):
@@ -120,7 +179,7 @@ class RedisQuota(QuotaBackend):
         self.window_ms = int(WINDOW_S * 1000)
         # Script objects: EVALSHA, reloading the script after a Redis restart (NOSCRIPT).
         self._acquire = client.register_script(_ACQUIRE)
-        self._settle = client.register_script(_SETTLE)
+        self._record = client.register_script(_RECORD)
         self._renew = client.register_script(_RENEW)
 
     async def acquire(
@@ -140,11 +199,17 @@ class RedisQuota(QuotaBackend):
         if int(result[0]) == 1:
             return Decision(True)
         reason = result[1].decode() if isinstance(result[1], bytes) else str(result[1])
+        if reason == "released":
+            raise RuntimeError(
+                f"quota acquire for request {request_id!r} found it already released: request "
+                "ids must be unique and acquired once (a caller bug, not a Redis fault)"
+            )
         return Decision(False, reason, int(result[2]) / 1000)
 
-    async def settle(self, quota_id: str, request_id: str, num_tokens: int) -> None:
-        _, amt, total, slots = _keys(quota_id)
-        await self._settle(keys=[amt, total, slots], args=[request_id, num_tokens])
+    async def settle(
+        self, quota_id: str, request_id: str, num_tokens: int, *, tombstone: bool = False
+    ) -> None:
+        await self.apply([Record("settle", quota_id, request_id, num_tokens, tombstone=tombstone)])
 
     async def renew(self, slots: Sequence[tuple[str, str]]) -> None:
         if not slots:
@@ -152,3 +217,17 @@ class RedisQuota(QuotaBackend):
         keys = [_keys(quota_id)[3] for quota_id, _ in slots]
         args = [self.lease_ms, self.window_ms, *(request_id for _, request_id in slots)]
         await self._renew(keys=keys, args=args)
+
+    async def apply(self, records: Sequence[Record]) -> None:
+        """Apply `records` in one round trip (a pipeline; each record is atomic on its own)."""
+        if not records:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for r in records:
+            args = [r.op, r.request_id, r.num_tokens, int(r.has_slot), int(r.tombstone)]
+            await self._record(
+                keys=list(_keys(r.quota_id)),
+                args=[*args, self.window_ms, self.lease_ms],
+                client=pipe,
+            )
+        await pipe.execute()

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -141,6 +144,46 @@ def test_keys_never_come_from_argv_or_reprs(monkeypatch):
     assert settings.api_keys.get_secret_value() == KEY_ALPHA
     with pytest.raises(ValueError, match="limits can only be set in TANDEM_API_KEYS_FILE"):
         KeyStore.from_settings(GatewaySettings(model="m", api_keys=f'{KEY_ALPHA}:t:{{"a":1}}'))
+
+
+@pytest.mark.parametrize("value", [" ", ",", "#x", ""])
+def test_key_variable_without_keys_refuses_to_start(monkeypatch, value):
+    """Set but holding no key: a slip (a blank template value, a commented-out key) must not
+    turn auth off; the message says how to run without auth on purpose."""
+    monkeypatch.setenv("TANDEM_API_KEYS", value)
+    with pytest.raises(ValueError, match="TANDEM_API_KEYS is set but holds no key") as info:
+        KeyStore.from_settings(GatewaySettings(model="m"))
+    assert "unset TANDEM_API_KEYS" in str(info.value) and "Give at least one key" in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["", "# tandem keys\n\n   \n# sk-old-key:alpha\n"])
+def test_key_file_without_keys_refuses_to_start(tmp_path, text):
+    path = tmp_path / "keys"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="TANDEM_API_KEYS_FILE .* is set but holds no key") as e:
+        KeyStore.from_settings(GatewaySettings(model="m", api_keys_file=path))
+    assert str(path) in str(e.value) and "unset TANDEM_API_KEYS_FILE" in str(e.value)
+    # A blank variable next to a good file is a slip all the same.
+    good = write_keys(tmp_path / "good", [(KEY_ALPHA, "alpha", None)])
+    with pytest.raises(ValueError, match="TANDEM_API_KEYS is set but holds no key"):
+        KeyStore.from_settings(GatewaySettings(model="m", api_keys=" ", api_keys_file=good))
+
+
+def test_gateway_with_blank_keys_does_not_start(tiny_qwen3_path):
+    """`python -m gateway` exits with the message instead of serving without auth."""
+    env = {**os.environ, "TANDEM_API_KEYS": ",", "PYTHONUNBUFFERED": "1"}
+    env.pop("TANDEM_API_KEYS_FILE", None)
+    args = [sys.executable, "-m", "gateway", "--model", str(tiny_qwen3_path), "--port", "0"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the gateway did not exit (it served): {out.decode()[-300:]!r}")
+    assert proc.returncode != 0 and b"READY gateway" not in out
+    assert "TANDEM_API_KEYS is set but holds no key" in err.decode()
+    assert "AUTH IS OFF" not in err.decode()
 
 
 def test_auth_off_is_announced(tiny_qwen3_path, model_info, caplog):

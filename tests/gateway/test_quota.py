@@ -10,11 +10,12 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from gateway.auth import TenantLimits
 from gateway.quota import MemoryQuota, QuotaBackend
-from gateway.quota_redis import RedisQuota
+from gateway.quota_redis import Record, RedisQuota
 from tests.redis_server import redis_server  # noqa: F401  (fixture)
 
 LEASE_S = 30.0
@@ -144,3 +145,63 @@ def test_slot_leases_expire_unless_renewed():
     assert not q.acquire_now("k", "b", limits, 1).is_admitted  # renewed: still held
     clock.now_s += 2  # a crashed holder: the lease runs out
     assert q.acquire_now("k", "b", limits, 1).is_admitted
+
+
+def test_acquire_is_idempotent_per_request(make_backend):
+    """A repeated (retried, or late) acquire of a recorded request records nothing more."""
+
+    async def scenario():
+        q = make_backend()
+        limits = TenantLimits(tokens_per_min=100, max_concurrent=2)
+        assert (await q.acquire("k", "a", limits, 60)).is_admitted
+        assert (await q.acquire("k", "a", limits, 60)).is_admitted  # not 120 tokens, 2 slots
+        assert (await q.acquire("k", "b", limits, 40)).is_admitted  # 100 of 100, 2 slots
+        refused = await q.acquire("k", "c", limits, 1)
+        assert not refused.is_admitted and refused.reason == "max_concurrent"
+        await q.settle("k", "b", 40)
+        refused = await q.acquire("k", "c", limits, 1)
+        assert not refused.is_admitted and refused.reason == "tokens_per_min"
+
+    run(scenario())
+
+
+def test_memory_adopts_requests_admitted_elsewhere():
+    q = MemoryQuota(LEASE_S, clock=FakeClock())
+    limits = TenantLimits(requests_per_min=3, max_concurrent=2)
+    q.adopt_now("k", "a", 10, has_slot=True)  # no limit is checked: it is running already
+    q.adopt_now("k", "a", 10, has_slot=True)  # idempotent
+    assert q.usage("k") == (1, 10, 1)
+    assert q.acquire_now("k", "b", limits, 1).is_admitted
+    assert q.acquire_now("k", "c", limits, 1).reason == "max_concurrent"
+    q.settle_now("k", "a", 4)
+    assert q.usage("k") == (2, 5, 1)
+
+
+def _redis_usage(server, quota_id: str = "k") -> tuple[int, int, int]:
+    """(requests, tokens, slots) in Redis for `quota_id`."""
+    r = redis.Redis.from_url(server.url)
+    prefix = f"tandem:quota:{{{quota_id}}}"
+    return r.zcard(f"{prefix}:log"), int(r.get(f"{prefix}:sum") or 0), r.zcard(f"{prefix}:slots")
+
+
+def test_redis_records_adopt_settle_forget_and_tombstones(redis_server):  # noqa: F811
+    """The hand-back's records: adopt (no limit check, idempotent), settle and forget; after a
+    tombstoned release, a late acquire or adopt of the same request records nothing."""
+
+    async def scenario():
+        q = RedisQuota(aioredis.Redis.from_url(redis_server.url), LEASE_S)
+        limits = TenantLimits(max_concurrent=1)
+        await q.apply([Record("adopt", "k", "a", 10, has_slot=True)] * 2)
+        await q.apply([Record("adopt", "k", "b", 5, has_slot=True)])  # over the limit: kept
+        assert _redis_usage(redis_server) == (2, 15, 2)
+        assert not (await q.acquire("k", "c", limits, 1)).is_admitted
+        await q.apply([Record("settle", "k", "a", 3), Record("forget", "k", "b", tombstone=True)])
+        assert _redis_usage(redis_server) == (1, 3, 0)
+        # Calls for "b" that the client gave up on, running late: nothing is recorded.
+        await q.apply([Record("adopt", "k", "b", 5, has_slot=True)])
+        with pytest.raises(RuntimeError, match="already released"):
+            await q.acquire("k", "b", limits, 5)
+        assert _redis_usage(redis_server) == (1, 3, 0)
+        assert (await q.acquire("k", "c", limits, 1)).is_admitted
+
+    run(scenario())
