@@ -1,9 +1,22 @@
 """Remote prefill from the decode side: reserve blocks, call `P.Prefill`, verify the KV landed.
 
-Transfer states live in `receiver.py`. On failure before WRITTEN the request's blocks are
-quarantined: released at once when P acknowledged (it answered with an error, which it does only
-after its writes settled), else when the lease ends; the prompt then goes to the next candidate,
-and after `MAX_PREFILL_ATTEMPTS` the caller prefills locally.
+Transfer states live in `receiver.py`. Who gets our KV metadata (its rkeys let the holder write
+into any of our blocks; no transport here can narrow that, see docs/security.md): only a
+prefill the caller (authenticated by the internal token) named, and, when this decode is part
+of a Redis registry, only one whose sealed registration record verifies here (a forged Redis
+record never gets it).
+
+How long we wait: a bound derived from the predicted prefill time (the gateway's prediction,
+else this decode's measured seconds per prompt token of that prefill), never more than
+`--prefill-timeout-s`; past it the prompt goes to the next candidate, and after
+`MAX_PREFILL_ATTEMPTS` the caller prefills locally.
+
+Fencing: blocks a prefill may still write are quarantined after any failure and released only
+once that prefill acknowledged (it answered, which it does only after its writes settled: an
+error reply, or an `Abort` reply, sent again with back-off until one arrives) or is known dead
+(its port refuses connections). A prefill that is stopped or hung therefore keeps its blocks out
+of use for as long as it might still write them; a zombie resuming later writes only into
+blocks nobody else was given. P also refuses a `Prefill` whose transfer was already aborted.
 """
 
 from __future__ import annotations
@@ -21,6 +34,8 @@ from engine import internal_auth
 from engine.async_engine import AsyncEngine
 from engine.kv_cache_manager import cdiv
 from engine.metrics import KV_TRANSFER_SECONDS
+from engine.record_auth import RecordAuth, RecordError
+from engine.registry import InstanceRecord
 from engine.request import Request, RequestStatus
 from engine.scheduler import SchedulerFullError
 from engine.serving import logprobs_from_proto, sampling_params_to_proto
@@ -34,8 +49,17 @@ _ACKNOWLEDGED = {
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNAUTHENTICATED,
 }
 MAX_PREFILL_ATTEMPTS = 2
+# Bound on one prefill: BASE + FACTOR x predicted, within [MIN, --prefill-timeout-s].
+_WAIT_BASE_S, _WAIT_FACTOR, _WAIT_MIN_S = 1.0, 4.0, 2.0
+_NOTIF_WAIT_S = 5.0  # P replied (its writes are flushed): the notification is on its way
+_RATE_EMA = 0.2
+# A registration older than this is stale (records are rewritten every heartbeat, ~1 s).
+MAX_REGISTRATION_AGE_S = 60.0
+_ABORT_TIMEOUT_S = 2.0
+_ABORT_BACKOFF_MAX_S = 5.0
 
 
 class RemotePrefill:
@@ -47,6 +71,8 @@ class RemotePrefill:
         prefill_timeout_s: float,
         lease_s: float,
         counters: dict[str, int],
+        require_registration: bool = False,
+        max_tenant_kv_fraction: float = 1.0,
     ):
         self.engine = engine
         self.core = engine.core
@@ -56,14 +82,32 @@ class RemotePrefill:
         self.prefill_timeout_s = prefill_timeout_s
         self.lease_s = lease_s
         self.counters = counters
+        # Exported as metrics (not part of GetLoad's reply, which `counters` feeds).
+        self.stats = {"num_rejected_prefill_targets": 0, "num_prefill_timeouts": 0}
+        self.stats["num_fenced_transfers"] = 0
+        self.require_registration = require_registration
+        if not 0 < max_tenant_kv_fraction <= 1:
+            raise ValueError(
+                f"max_tenant_kv_fraction must be in (0, 1], got {max_tenant_kv_fraction}"
+            )
+        # Blocks one tenant (cache salt) may hold in remote prefills at once: one caller with
+        # many long prompts must not take every block (and so every other tenant's service).
+        num_usable = self.core.kv.pool.num_blocks - 1
+        self.max_blocks_per_salt = (
+            max(1, int(max_tenant_kv_fraction * num_usable)) if max_tenant_kv_fraction < 1 else None
+        )
+        self.auth = RecordAuth.from_env()
         self._channels: dict[str, prefill_pb2_grpc.PrefillStub] = {}
+        self._s_per_token: dict[str, float] = {}  # measured per prefill address
+        self._fences: set[asyncio.Task] = set()
 
     async def run(self, req: Request, request, timings):
         """An output stream once P has written the KV; None to prefill locally instead."""
         bs = self.core.config.cache.block_size
         loop = asyncio.get_running_loop()
         received = time.monotonic()
-        for attempt, target in enumerate(request.prefill[:MAX_PREFILL_ATTEMPTS]):
+        targets = [t for t in request.prefill if self._is_trusted(t)]
+        for attempt, target in enumerate(targets[:MAX_PREFILL_ATTEMPTS]):
             transfer_id = request.transfer_id or uuid.uuid4().hex
             if attempt:
                 transfer_id += f"-retry{attempt}"
@@ -72,12 +116,19 @@ class RemotePrefill:
 
             def reserve(tid=transfer_id, token=token, arrived=arrived):
                 """One engine-thread hop: blocks, then the expected notification."""
-                alloc = self.core.allocate_for_remote_prefill(req)
+                limit = self.max_blocks_per_salt if req.cache_salt else None
+                alloc = self.core.allocate_for_remote_prefill(req, limit)
                 if alloc is not None:
                     self.receiver.expect(tid, token, loop, arrived)
                 return alloc
 
-            alloc = await self.engine.call(reserve)
+            try:
+                alloc = await self.engine.call(reserve)
+            except asyncio.CancelledError:
+                # `reserve` is queued and still runs; this runs after it (commands run in
+                # order). No prefill has seen these blocks: release them at once.
+                self._fail_transfer(req, transfer_id, target.address, acknowledged=True)
+                raise
             if alloc is None:
                 raise SchedulerFullError("no free KV blocks for the prompt; retry elsewhere")
             first_block = alloc.num_hit_tokens // bs
@@ -95,26 +146,33 @@ class RemotePrefill:
                     transfer_token=token,
                 ),
             )
+            wait_s = self._wait_s(target, req.num_prompt_tokens - alloc.num_hit_tokens)
             t0 = time.monotonic()
             try:
-                resp = await self._stub(target.address).Prefill(msg, timeout=self.prefill_timeout_s)
+                resp = await self._stub(target.address).Prefill(msg, timeout=wait_s)
                 t1 = time.monotonic()
-                await asyncio.wait_for(arrived, timeout=5.0)
+                await asyncio.wait_for(arrived, timeout=_NOTIF_WAIT_S)
             except asyncio.CancelledError:
-                self._fail_transfer(req, transfer_id, acknowledged=False)
-                asyncio.ensure_future(self._abort_prefill(target.address, req.request_id))
+                self._fail_transfer(req, transfer_id, target.address, acknowledged=False)
                 raise
             except (grpc.aio.AioRpcError, TimeoutError) as e:
-                ack = isinstance(e, grpc.aio.AioRpcError) and e.code() in _ACKNOWLEDGED
+                # P's reply (an error, or a success whose notification we then missed) comes
+                # only after its writes settled: that acknowledges the blocks.
+                ack = not isinstance(e, grpc.aio.AioRpcError) or e.code() in _ACKNOWLEDGED
+                if isinstance(e, grpc.aio.AioRpcError):
+                    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        self.stats["num_prefill_timeouts"] += 1
                 logger.warning(
-                    "Prefill %s on %s failed (%s); %s",
+                    "Prefill %s on %s failed after %.2f s (%s); %s",
                     transfer_id,
                     target.address,
-                    _describe(e),
-                    "retrying" if attempt + 1 < len(request.prefill) else "prefilling locally",
+                    time.monotonic() - t0,
+                    _describe(e, wait_s),
+                    "retrying" if attempt + 1 < len(targets) else "prefilling locally",
                 )
-                self._fail_transfer(req, transfer_id, acknowledged=ack)
+                self._fail_transfer(req, transfer_id, target.address, acknowledged=ack)
                 continue
+            self._learn(target.address, t1 - t0, req.num_prompt_tokens - alloc.num_hit_tokens)
             self.receiver.set_state(transfer_id, TransferState.WRITTEN)
             self.counters["num_remote_prefills"] += 1
             self.counters["kv_transfer_bytes"] += resp.kv_transfer_bytes
@@ -143,8 +201,55 @@ class RemotePrefill:
             return self.engine.generate(req, add=add)
         return None
 
-    def _fail_transfer(self, req: Request, transfer_id: str, acknowledged: bool) -> None:
-        """Quarantine the request's blocks; release now if P acknowledged, else at lease end."""
+    # ---- whom to trust, how long to wait -------------------------------------------------
+    def _is_trusted(self, target) -> bool:
+        """May this prefill have our KV metadata? (see the module docstring)"""
+        if not self.require_registration:
+            return True
+        try:
+            record = InstanceRecord.unseal(target.registration, self.auth)
+        except RecordError as e:
+            reason = str(e)
+        else:
+            age_s = time.time() - record.published_at
+            if record.role != "prefill":
+                reason = f"its record is a {record.role}'s"
+            elif record.address != target.address:
+                reason = "its record names another address"
+            elif target.instance_id and record.instance_id != target.instance_id:
+                reason = "its record names another instance"
+            elif age_s > MAX_REGISTRATION_AGE_S:
+                reason = f"its record is {age_s:.0f} s old"
+            else:
+                return True
+        self.stats["num_rejected_prefill_targets"] += 1
+        logger.warning(
+            "Not sending KV metadata to prefill %r: registration does not verify (%s)",
+            target.address[:100],
+            reason,
+        )
+        return False
+
+    def _wait_s(self, target, num_new_tokens: int) -> float:
+        """How long to wait for P's reply: a bound derived from the predicted prefill time."""
+        # The larger of the gateway's prediction (from P's reported rate and queue) and ours
+        # (P's measured replies to us): a healthy P should never hit the bound.
+        s_per_token = self._s_per_token.get(target.address, _PRIOR_S_PER_TOKEN)
+        predicted_s = max(target.predicted_prefill_s, s_per_token * max(num_new_tokens, 1))
+        bound_s = max(_WAIT_MIN_S, _WAIT_BASE_S + _WAIT_FACTOR * predicted_s)
+        return min(self.prefill_timeout_s, bound_s)
+
+    def _learn(self, address: str, rpc_s: float, num_new_tokens: int) -> None:
+        sample = rpc_s / max(num_new_tokens, 1)
+        prev = self._s_per_token.get(address)
+        self._s_per_token[address] = sample if prev is None else prev + _RATE_EMA * (sample - prev)
+
+    # ---- failure and fencing -------------------------------------------------------------
+    def _fail_transfer(
+        self, req: Request, transfer_id: str, address: str, acknowledged: bool
+    ) -> None:
+        """Quarantine the request's blocks; release now if P acknowledged, else fence."""
+        loop = asyncio.get_running_loop()
 
         def quarantine() -> None:
             self.receiver.forget(transfer_id)
@@ -153,34 +258,64 @@ class RemotePrefill:
             req.num_computed_tokens, req.status = 0, RequestStatus.WAITING
             if acknowledged:
                 self.core.release_quarantine(key)
-            else:  # call_later is not thread-safe: schedule it from the loop's own thread
-                loop.call_soon_threadsafe(
-                    loop.call_later,
-                    self.lease_s,
-                    self.engine.submit,
-                    lambda: self.core.release_quarantine(key),
-                )
+            else:
+                args = (key, address, req.request_id, transfer_id)
+                loop.call_soon_threadsafe(self._start_fence, *args)
 
-        loop = asyncio.get_running_loop()
         self.engine.submit(quarantine)
 
-    async def _abort_prefill(self, address: str, request_id: str) -> None:
-        try:
-            await self._stub(address).Abort(
-                common_pb2.AbortRequest(request_id=request_id), timeout=2.0
-            )
-        except grpc.aio.AioRpcError as e:
-            logger.info("Abort on prefill %s failed: %s", address, _describe(e))
+    def _start_fence(self, key: str, address: str, request_id: str, transfer_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._fence(key, address, request_id, transfer_id)
+        )
+        self._fences.add(task)
+        task.add_done_callback(self._fences.discard)
+
+    async def _fence(self, key: str, address: str, request_id: str, transfer_id: str) -> None:
+        """Release quarantined blocks once P acknowledged the abort or is known dead."""
+        self.stats["num_fenced_transfers"] += 1
+        abort = common_pb2.AbortRequest(request_id=request_id, transfer_id=transfer_id)
+        start, backoff_s, has_warned = time.monotonic(), 0.05, False
+        while True:
+            try:
+                await self._stub(address).Abort(abort, timeout=_ABORT_TIMEOUT_S)
+                break  # P answered: it replies only once its writes for the transfer settled
+            except grpc.aio.AioRpcError as e:
+                if e.code() in _ACKNOWLEDGED or _is_refused(e):
+                    break  # a process answered (P, or a successor on its port), or none listens
+            if not has_warned and time.monotonic() - start > self.lease_s:
+                has_warned = True
+                logger.warning(
+                    "Blocks of transfer %s stay quarantined: prefill %s has not acknowledged "
+                    "its abort for %.0f s (stopped or partitioned?); retrying",
+                    transfer_id,
+                    address,
+                    time.monotonic() - start,
+                )
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(2 * backoff_s, _ABORT_BACKOFF_MAX_S)
+        self.engine.submit(lambda: self.core.release_quarantine(key))
 
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         if address not in self._channels:
             self._channels[address] = prefill_pb2_grpc.PrefillStub(
-                internal_auth.insecure_channel(address)
+                internal_auth.internal_channel(address)
             )
         return self._channels[address]
 
 
-def _describe(e: BaseException) -> str:
+_PRIOR_S_PER_TOKEN = 1e-3  # until measured: 1,000 prompt tokens/s (slow CPU prefill)
+
+
+def _is_refused(e: grpc.aio.AioRpcError) -> bool:
+    """No process listens at the address any more (not: it is slow or stopped)."""
+    details = (e.details() or "").lower()
+    return e.code() == grpc.StatusCode.UNAVAILABLE and "connection refused" in details
+
+
+def _describe(e: BaseException, wait_s: float) -> str:
     if isinstance(e, grpc.aio.AioRpcError):
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return f"no reply within the {wait_s:.1f} s bound"
         return f"{e.code().name}: {e.details()}"
     return f"{type(e).__name__}: no KV notification"

@@ -41,14 +41,6 @@ from protos import common_pb2, decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "tandem.v1.Decode"
-# Replies that prove P is alive and has settled its writes: blocks can be released at once.
-_ACKNOWLEDGED = {
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.INTERNAL,
-}
-MAX_PREFILL_ATTEMPTS = 2
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -76,7 +68,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             "kv_transfer_bytes": 0,
         }
         self.remote = RemotePrefill(
-            engine, agent, self.receiver, args.prefill_timeout_s, args.kv_lease_s, self.counters
+            engine,
+            agent,
+            self.receiver,
+            args.prefill_timeout_s,
+            args.kv_lease_s,
+            self.counters,
+            # Registered in Redis: prefill targets come from Redis too, so each must verify.
+            require_registration=bool(args.redis_url),
+            max_tenant_kv_fraction=args.max_tenant_kv_fraction,
         )
 
     # ---- Generate ------------------------------------------------------------------------
@@ -167,7 +167,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return common_pb2.AbortResponse(found=found)
 
     def metric_counters(self) -> dict[str, float]:
-        return dict(self.counters)
+        rejected = {"num_rejected_kv_messages": self.agent.num_rejected_messages}
+        return {**self.counters, **self.remote.stats, **rejected}
 
     async def GetLoad(self, request, context):
         return load_response(
@@ -189,12 +190,26 @@ def _servicer(ctx: ServiceContext) -> DecodeServicer:
 
 def build_parser():
     parser = service_parser("decode")
-    parser.add_argument("--prefill-timeout-s", type=float, default=60.0)
+    parser.add_argument(
+        "--prefill-timeout-s",
+        type=float,
+        default=60.0,
+        help="upper bound on waiting for one remote prefill; the actual bound is derived from "
+        "its predicted time (see decode_svc/remote_prefill.py)",
+    )
+    parser.add_argument(
+        "--max-tenant-kv-fraction",
+        type=float,
+        default=0.5,
+        help="share of the KV cache one tenant (cache salt) may hold in remote prefills at "
+        "once; past it its requests are refused (the gateway tries another decode)",
+    )
     parser.add_argument(
         "--kv-lease-s",
         type=float,
         default=30.0,
-        help="how long blocks of a failed remote prefill stay quarantined",
+        help="warn when a failed remote prefill's blocks are still quarantined after this long "
+        "(they are released only once the prefill acknowledges or is known dead)",
     )
     return parser
 

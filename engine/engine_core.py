@@ -22,11 +22,11 @@ import logging
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.request import PLACEHOLDER, Request, RequestStatus
 from engine.sampler import skip_sampler_step
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerFullError
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,8 @@ class EngineCore:
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv)
+        # Decode role: requests holding blocks for a remote prefill, not yet scheduled.
+        self.reserved: dict[str, Request] = {}
         self._pending: LaunchedStep | None = None  # async scheduling: launched, not read
 
     # ---- requests ------------------------------------------------------------------------
@@ -222,15 +224,33 @@ class EngineCore:
         return None
 
     # ---- disaggregation: decode role -----------------------------------------------------
-    def allocate_for_remote_prefill(self, request: Request) -> RemotePrefillAllocation | None:
+    def allocate_for_remote_prefill(
+        self, request: Request, max_blocks_per_salt: int | None = None
+    ) -> RemotePrefillAllocation | None:
         """Reserve blocks for the whole prompt (reusing this instance's prefix hits) so that a
         prefill elsewhere can write into them. None: no room now (refuse fast). The request is
-        not scheduled until `add_remote_prefilled`."""
+        not scheduled until `add_remote_prefilled`; until then it is `reserved`: it counts
+        against the queue limits, and the blocks reserved for one cache salt (one tenant)
+        stay under `max_blocks_per_salt` (SchedulerFullError past either)."""
         self._validate(request)
-        self.scheduler.check_admission(request)
+        self.scheduler.check_admission(request, self.reserved.values())
         hits, num_hit = self.kv.get_computed_blocks(request)
+        if max_blocks_per_salt is not None:
+            held = sum(
+                len(self.kv.get_block_ids(r.request_id))
+                for r in self.reserved.values()
+                if r.cache_salt == request.cache_salt
+            )
+            needed = cdiv(request.num_tokens, self.config.cache.block_size) - len(hits)
+            if held + needed > max_blocks_per_salt:
+                raise SchedulerFullError(
+                    f"Request {request.request_id} refused: its tenant already holds {held} KV "
+                    f"blocks in remote prefills and this prompt needs {needed} more (at most "
+                    f"{max_blocks_per_salt} per tenant). Retry later."
+                )
         if not self.kv.allocate_slots(request, request.num_tokens - num_hit, hits):
             return None
+        self.reserved[request.request_id] = request
         return RemotePrefillAllocation(list(self.kv.get_block_ids(request.request_id)), num_hit)
 
     def add_remote_prefilled(
@@ -242,6 +262,7 @@ class EngineCore:
     ) -> EngineCoreOutput:
         """The prompt's KV is now in the request's blocks: publish them to the prefix cache,
         take the first token sampled remotely, and schedule the rest of the decode."""
+        self.reserved.pop(request.request_id, None)
         request.num_computed_tokens = request.num_prompt_tokens
         request.num_cached_tokens = num_cached_tokens
         self.kv.cache_blocks(request)
@@ -266,7 +287,8 @@ class EngineCore:
 
     def quarantine_blocks(self, request: Request) -> str:
         """A remote writer may still write this request's blocks: keep them out of use until
-        `release_quarantine(key)` (writer acknowledged, declared dead, or lease expired)."""
+        `release_quarantine(key)` (writer acknowledged or known dead)."""
+        self.reserved.pop(request.request_id, None)
         return self.kv.quarantine(request.request_id)
 
     def release_quarantine(self, key: str) -> None:

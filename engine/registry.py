@@ -5,12 +5,13 @@ Key layout (one Redis, every key under `tandem:`):
 - `tandem:instances`: SET of instance ids; the gateways' listing. A member whose record expired
   is removed by the gateway that notices.
 - `tandem:instance:<id>`: STRING, the JSON `InstanceRecord` (role, address, model, block size,
-  epoch, load). `PX` TTL = 3 heartbeats, rewritten every heartbeat and whenever the load
-  changes, so an instance that stops heartbeating leaves every pool within the TTL.
-- `tandem:blocks:<id>:<epoch>`: SET of the raw 32-byte block hashes cached at the instance in
-  that epoch, same TTL. The epoch is new per process start: the record names the live epoch, so
-  an older epoch's set is never read; it expires, and a restarted process deletes its old
-  epochs' sets at once.
+  epoch, load), sealed with an HMAC (engine/record_auth.py): readers skip what fails it. `PX`
+  TTL = 3 heartbeats, rewritten every heartbeat and whenever the load changes, so an instance
+  that stops heartbeating leaves every pool within the TTL.
+- `tandem:blocks:<id>:<epoch>`: SET of the keyed digests (`RecordAuth.block_member`) of the
+  block hashes cached at the instance in that epoch, same TTL. The epoch is new per process
+  start: the record names the live epoch, so an older epoch's set is never read; it expires,
+  and a restarted process deletes its old epochs' sets at once.
 
 Why one set per instance: a `stored` batch is one SADD, `cleared` one DEL, a reset DEL + SADD in
 one MULTI, a dead instance one key expiring; a lookup walks each candidate's set along the
@@ -31,16 +32,19 @@ import os
 import queue
 import threading
 import time
+import urllib.parse
 import uuid
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from engine.kv_events import EventBatch, KVEventSource, LoadSnapshot
+from engine.record_auth import RecordAuth, RecordError
 
 logger = logging.getLogger(__name__)
 
 INSTANCES_KEY = "tandem:instances"
 REDIS_URL_ENV = "TANDEM_REDIS_URL"
+REDIS_URL_FILE_ENV = "TANDEM_REDIS_URL_FILE"
 _MAX_ARGS = 10_000  # members per SADD/SREM: keeps single commands small
 
 
@@ -76,14 +80,82 @@ class InstanceRecord:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> InstanceRecord:
-        return cls(**json.loads(text))
+        """Parse and schema-check; RecordError names what is wrong (never the whole text)."""
+        try:
+            raw = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RecordError(f"not JSON: {type(e).__name__}") from None
+        if not isinstance(raw, dict):
+            raise RecordError("not a JSON object")
+        types = {"instance_id": str, "role": str, "address": str, "model": str, "epoch": str}
+        types |= {"block_size": int, "kv_bytes_per_block": int, "max_num_batched_tokens": int}
+        missing = [k for k in ("instance_id", "role", "address", "epoch") if k not in raw]
+        unknown = sorted(set(raw) - {*types, "load", "published_at"})
+        if missing or unknown:
+            raise RecordError(f"missing fields {missing}, unknown fields {unknown[:5]}")
+        for name, typ in types.items():
+            value = raw.get(name, typ())
+            if type(value) is not typ or (typ is int and value < 0) or len(str(value)) > 256:
+                raise RecordError(f"field {name!r} must be a {typ.__name__} (at most 256 chars)")
+        if raw["role"] not in ("prefill", "decode") or raw["block_size"] <= 0:
+            raise RecordError("role must be prefill or decode, block_size positive")
+        host, sep, port = raw["address"].rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise RecordError("address must be host:port")
+        load = raw.get("load", {})
+        if not isinstance(load, dict) or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) and v == v and v >= 0
+            for v in load.values()
+        ):
+            raise RecordError("load must map names to non-negative numbers")
+        published_at = raw.get("published_at", 0.0)
+        if not isinstance(published_at, int | float) or isinstance(published_at, bool):
+            raise RecordError("published_at must be a number")
+        return cls(**raw)
+
+    def seal(self, auth: RecordAuth) -> bytes:
+        return auth.seal(self.to_json().encode())
+
+    @classmethod
+    def unseal(cls, value: bytes, auth: RecordAuth) -> InstanceRecord:
+        """The record in a Redis value; RecordError when it is forged or malformed."""
+        return cls.from_json(auth.open(value))
+
+
+def resolve_redis_url(cli_value: str | None, flag: str = "--redis-url") -> str | None:
+    """The Redis URL: `flag` (no password allowed: argv is world-readable in `ps`), else
+    TANDEM_REDIS_URL, else the file named by TANDEM_REDIS_URL_FILE (a mounted secret). A
+    password or ACL user goes in the URL (`redis://user:pass@host:6379/0`); TLS is `rediss://`
+    (with `?ssl_ca_certs=/path` and client certificates as redis-py reads them)."""
+    if cli_value:
+        if urllib.parse.urlsplit(cli_value).password:
+            raise ValueError(
+                f"{flag} carries a password, which every local user can read in `ps`: pass the "
+                f"URL in {REDIS_URL_ENV} or, better, in a file named by {REDIS_URL_FILE_ENV} "
+                "(a mounted secret)."
+            )
+        return cli_value
+    if os.environ.get(REDIS_URL_ENV):
+        return os.environ[REDIS_URL_ENV]
+    path = os.environ.get(REDIS_URL_FILE_ENV)
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            url = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read {REDIS_URL_FILE_ENV} ({path}): {e.strerror}") from None
+    if not url:
+        raise ValueError(f"{REDIS_URL_FILE_ENV} ({path}) is empty; put the Redis URL in it")
+    return url
 
 
 def add_registry_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--redis-url",
-        default=os.environ.get(REDIS_URL_ENV) or None,
-        help=f"register and publish KV events here (env {REDIS_URL_ENV}); off when not given",
+        default=None,
+        help=f"register and publish KV events here; without a password (use {REDIS_URL_ENV} or "
+        f"{REDIS_URL_FILE_ENV} for one); off when none is given",
     )
     parser.add_argument("--heartbeat-s", type=float, default=1.0, help="record TTL is 3x this")
     parser.add_argument(
@@ -91,12 +163,16 @@ def add_registry_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def apply_batch(pipe, key: str, batch: EventBatch, ttl_ms: int) -> None:
-    """Queue the Redis commands that make `key` follow `batch` (on a MULTI pipeline)."""
+def apply_batch(
+    pipe, key: str, batch: EventBatch, ttl_ms: int, auth: RecordAuth | None = None
+) -> None:
+    """Queue the Redis commands that make `key` follow `batch` (on a MULTI pipeline). Members
+    are `auth.block_member` of each hash (`auth` defaults to the environment's secret)."""
+    member = (auth or RecordAuth.from_env()).block_member
     if batch.reset:
         pipe.delete(key)
     for event in batch.events:
-        hashes = event.block_hashes
+        hashes = [member(h) for h in event.block_hashes]
         for i in range(0, len(hashes), _MAX_ARGS):
             if event.kind == "stored":
                 pipe.sadd(key, *hashes[i : i + _MAX_ARGS])
@@ -132,6 +208,7 @@ class RedisPublisher:
         )
         self.source = source
         self.record = record
+        self.auth = RecordAuth.from_env()
         self.heartbeat_s = heartbeat_s
         self.ttl_ms = max(int(3000 * heartbeat_s), 100)
         self.flush_s = flush_s
@@ -182,7 +259,7 @@ class RedisPublisher:
                     is_cleaned = True
                 pipe = self.client.pipeline(transaction=True)
                 for batch in batches:
-                    apply_batch(pipe, self.blocks_key, batch, self.ttl_ms)
+                    apply_batch(pipe, self.blocks_key, batch, self.ttl_ms, self.auth)
                 if needs_record:
                     self._queue_record(pipe, load)
                 results = pipe.execute()
@@ -226,7 +303,7 @@ class RedisPublisher:
             self.record, load=asdict(load) if load else {}, published_at=round(time.time(), 3)
         )
         pipe.sadd(INSTANCES_KEY, record.instance_id)
-        pipe.set(instance_key(record.instance_id), record.to_json(), px=self.ttl_ms, get=True)
+        pipe.set(instance_key(record.instance_id), record.seal(self.auth), px=self.ttl_ms, get=True)
         pipe.pexpire(self.blocks_key, self.ttl_ms)
 
     def _delete_old_epochs(self) -> None:

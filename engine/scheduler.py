@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
@@ -105,15 +106,18 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request, front=request.num_computed_tokens > 0)
 
-    def check_admission(self, request: Request) -> None:
+    def check_admission(self, request: Request, reserved: Collection[Request] = ()) -> None:
+        """Refuse fast past the queue limits. `reserved`: requests that hold blocks for a
+        remote prefill and will queue here once it is done; they count as queued."""
         cfg = self.config
-        if cfg.max_num_queued_reqs is not None and len(self.waiting) >= cfg.max_num_queued_reqs:
+        num_queued = len(self.waiting) + len(reserved)
+        if cfg.max_num_queued_reqs is not None and num_queued >= cfg.max_num_queued_reqs:
             raise SchedulerFullError(
-                f"Request {request.request_id} refused: {len(self.waiting)} requests are already "
+                f"Request {request.request_id} refused: {num_queued} requests are already "
                 f"queued (max_num_queued_reqs={cfg.max_num_queued_reqs}). Retry later."
             )
         if cfg.max_num_queued_tokens is not None:
-            queued = sum(r.num_tokens for r in self.waiting)
+            queued = sum(r.num_tokens for r in self.waiting) + sum(r.num_tokens for r in reserved)
             if queued + request.num_tokens > cfg.max_num_queued_tokens:
                 raise SchedulerFullError(
                     f"Request {request.request_id} refused: {queued} tokens are queued and this "

@@ -36,10 +36,12 @@ class _Meter:
         self._is_closed = True
         usage = self.builder.usage()
         choices = self.builder.choices
-        # Prompts count once the decode has produced anything for them (they were prefilled).
         num_completion_tokens = usage["completion_tokens"]
         was_served = num_completion_tokens > 0 or any(c.finish_reason for c in choices)
-        self.edge.quota.release(self.ticket, usage["total_tokens"] if was_served else 0)
+        # The prompts are charged whatever happened after validation (refused, failed, client
+        # gone): they were sent to decodes and may have been prefilled; a caller must not be
+        # able to keep the cluster busy with requests that cost it nothing.
+        self.edge.quota.release(self.ticket, usage["total_tokens"])
         m, model = self.edge.metrics, self.edge.metrics.model_name
         if was_served:
             m.prompt_tokens.labels(model).inc(usage["prompt_tokens"])

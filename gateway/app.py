@@ -35,6 +35,7 @@ def build_state(
 ) -> GatewayState:
     """Defaults come from settings; tests and later policies inject their own pieces."""
     model = model or load_model_info(settings)
+    edge = Edge.from_settings(settings, model.name)
     registry = registry or build_registry(settings)
     router = router or build_router(settings, registry)
     clients = DecodeClients()
@@ -46,7 +47,7 @@ def build_state(
         clients=clients,
         dispatcher=Dispatcher(router, clients, model.tokenizer),
         token_texts=TokenTexts(model.tokenizer),
-        edge=Edge.from_settings(settings, model.name),
+        edge=edge,
     )
 
 

@@ -182,8 +182,15 @@ class Dispatcher:
                 cache_salt=opts.cache_salt,
                 priority=opts.priority,
                 prefill=[
-                    decode_pb2.PrefillTarget(address=p.address, instance_id=p.instance_id)
-                    for p in route.prefills
+                    decode_pb2.PrefillTarget(
+                        address=p.address,
+                        instance_id=p.instance_id,
+                        registration=p.registration,
+                        predicted_prefill_s=predicted_s,
+                    )
+                    for p, predicted_s in zip(
+                        route.prefills, route.predicted_prefill_s or [0.0] * len(route.prefills)
+                    )
                 ],
             )
             call = self.clients.stub(route.decode).Generate(request)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from engine.record_auth import RecordAuth
 from engine.registry import blocks_key
 from gateway.index import BlockIndex, IndexTarget, IndexUnavailable, lookup_hashes
 
@@ -70,6 +71,7 @@ class RedisBlockIndex(BlockIndex):
         self._errors = (redis.RedisError, OSError)
         self._no_script = redis.exceptions.NoScriptError
         self.client = client
+        self.auth = RecordAuth.from_env()  # sets hold keyed digests, not raw hashes
         self.retry_s = retry_s
         self._sha: str | None = None
         self._down_until = 0.0
@@ -94,6 +96,7 @@ class RedisBlockIndex(BlockIndex):
         calls = []
         for block_size, group in groups.items():
             hashes = lookup_hashes(prompt_token_ids, block_size, cache_salt)
+            hashes = [self.auth.block_member(h) for h in hashes]
             if hashes:
                 calls.append((group, [blocks_key(t.instance_id, t.epoch) for t in group], hashes))
         if not calls:

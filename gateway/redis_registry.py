@@ -10,6 +10,12 @@ that died meanwhile are caught by the router's UNAVAILABLE cooldown, and new one
 A Redis that comes back may be empty (restarted): for `recovery_grace_s` after it returns,
 instances of the last snapshot stay in the pool while they re-register, instead of the pool
 emptying for a heartbeat or two.
+
+Records are untrusted input (engine/record_auth.py): one that is forged (bad MAC) or malformed
+(schema) is skipped, counted in `num_rejected_records` and logged once per instance and reason;
+the rest of the refresh goes on, so no record can stop discovery. `Instance.registration` keeps
+the sealed bytes of each accepted record, which decodes re-verify before they hand a prefill
+their KV metadata.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import contextlib
 import logging
 import time
 
+from engine.record_auth import RecordAuth, RecordError
 from engine.registry import INSTANCES_KEY, InstanceRecord, instance_key
 from gateway.registry import Instance, InstanceRegistry, InstanceStatus
 
@@ -50,6 +57,9 @@ class RedisRegistry(InstanceRegistry):
     def __init__(self, client, refresh_s: float = 0.25, recovery_grace_s: float = 3.0):
         """`client`: a `redis.asyncio.Redis` (connections are made lazily on the event loop)."""
         self.client = client
+        self.auth = RecordAuth.from_env()
+        self.num_rejected_records = 0
+        self._logged_rejections: set[tuple[str, str]] = set()
         self.refresh_s = refresh_s
         self.recovery_grace_s = recovery_grace_s
         self._recovering_until = 0.0
@@ -106,16 +116,29 @@ class RedisRegistry(InstanceRegistry):
                 self._recovering_until = time.monotonic() + self.recovery_grace_s
         self._is_available = True
         self.last_refresh_s = time.monotonic()
-        self._apply([InstanceRecord.from_json(v) for v in values if v is not None])
+        self._apply([rv for i, v in zip(ids, values) if v is not None and (rv := self._open(i, v))])
         return True
 
-    def _apply(self, records: list[InstanceRecord]) -> None:
+    def _open(self, listed_id: str, value: bytes) -> tuple[InstanceRecord, bytes] | None:
+        try:
+            record = InstanceRecord.unseal(value, self.auth)
+            if record.instance_id != listed_id:
+                raise RecordError(f"record of {record.instance_id!r} under another id's key")
+        except RecordError as e:
+            self.num_rejected_records += 1
+            reason = str(e)
+            if (listed_id, reason) not in self._logged_rejections:
+                if len(self._logged_rejections) < 1000:  # bounded: ids are attacker-chosen
+                    self._logged_rejections.add((listed_id, reason))
+                logger.warning("Ignoring registry record %r: %s", listed_id[:64], reason)
+            return None
+        return record, value
+
+    def _apply(self, records: list[tuple[InstanceRecord, bytes]]) -> None:
         pools: dict[str, list[Instance]] = {"decode": [], "prefill": []}
         statuses = {}
-        for r in records:
-            if r.role not in pools:
-                continue
-            pools[r.role].append(Instance(r.address, r.instance_id, r.epoch))
+        for r, sealed in records:
+            pools[r.role].append(Instance(r.address, r.instance_id, r.epoch, sealed))
             statuses[r.instance_id] = status_from_record(r)
         if time.monotonic() < self._recovering_until:
             for role, old in (("decode", self._decodes), ("prefill", self._prefills)):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,9 @@ class Instance:
     address: str  # host:port of its gRPC server
     instance_id: str
     epoch: str = ""
+    # The sealed registry record it was found in (engine/record_auth.py); empty for instances
+    # an operator listed. Forwarded to decodes, which verify it before trusting a prefill.
+    registration: bytes = field(default=b"", compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,9 @@ class Route:
 
     decode: Instance
     prefills: tuple[Instance, ...]
+    # Per prefill, the predicted seconds to the first token (queue + compute + transfer); empty
+    # when the router does not predict. The decode bounds its wait for that prefill by it.
+    predicted_prefill_s: tuple[float, ...] = ()
 
 
 class Outcome(enum.Enum):

@@ -74,6 +74,16 @@ class KVSender:
         if send is not None and send.state is SendState.PREFILLING:
             send.state, send.error = SendState.FAILED, reason
 
+    def fail_matching(self, prefix: str, reason: str) -> None:
+        """Fail every send whose request id starts with `prefix`: no new WRITE is issued."""
+        for request_id in [r for r in self.sends if r.startswith(prefix)]:
+            self.fail(request_id, reason)
+
+    def done_futures(self, prefix: str) -> list[asyncio.Future]:
+        """The `done` futures of the matching sends: each resolves once the send settled (no
+        WRITE of it in flight any more; see `_settle`)."""
+        return [s.done for r, s in self.sends.items() if r.startswith(prefix)]
+
     def poll(self) -> bool:
         """The hook: issue writes for newly computed blocks, settle finished sends."""
         for rid, send in list(self.sends.items()):

@@ -19,7 +19,7 @@ import time
 
 import grpc
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.engine_core import EngineCore
 from engine.kv_cache_manager import cdiv
 from engine.request import Request
@@ -38,6 +38,10 @@ from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "tandem.v1.Prefill"
+# Aborted transfers are remembered this long (a Prefill call for one still in the network
+# arrives within a deadline), and at most this many (oldest dropped first).
+_TOMBSTONE_S = 600.0
+_MAX_TOMBSTONES = 100_000
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -61,10 +65,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.sender = KVSender(self.core, agent, transfer_timeout_s)
         engine.hooks.append(self.sender.poll)
         self._remotes: dict[str, bytes] = {}  # agent name -> metadata it was added with
+        self._aborted: dict[str, float] = {}  # transfer id -> tombstone expiry (monotonic)
         self.num_requests = 0
 
     async def Prefill(self, request, context):
         received = time.monotonic()
+        if request.transfer_id in self._aborted:  # the decode gave up on it before it got here
+            await context.abort(grpc.StatusCode.ABORTED, "transfer was aborted by the decode")
         try:
             req, send = self._parse(request)
         except ValueError as e:
@@ -88,6 +95,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:  # validation inside the engine
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineDeadError as e:  # the process is exiting; the decode tries elsewhere
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
             if first is None or first.finish_reason == "abort":
                 self.engine.submit(lambda: self.sender.fail(req.request_id, "cancelled"))
@@ -156,10 +165,34 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self._remotes[name] = metadata
 
     async def Abort(self, request, context):
-        found = False
-        for rid in [r for r in self.core.scheduler.requests if r.startswith(request.request_id)]:
-            found |= await self.engine.call(self.core.abort_request, rid)
-        return common_pb2.AbortResponse(found=found)
+        """Abort a request's prefills; with a `transfer_id`, also fence that transfer: refuse
+        any later `Prefill` for it, and reply only once no WRITE of it is in flight (the decode
+        releases the target blocks on this reply)."""
+        if request.transfer_id:
+            self._aborted[request.transfer_id] = time.monotonic() + _TOMBSTONE_S
+            self._expire_tombstones()
+        prefix = f"{request.request_id}/{request.transfer_id}" if request.transfer_id else None
+        prefix = prefix or request.request_id
+
+        def abort_all() -> tuple[bool, list[asyncio.Future]]:
+            found = False
+            for rid in [r for r in self.core.scheduler.requests if r.startswith(prefix)]:
+                found |= self.core.abort_request(rid)
+            self.sender.fail_matching(prefix, "aborted by the decode")
+            return found, self.sender.done_futures(prefix)
+
+        found, pending = await self.engine.call(abort_all)
+        if pending:
+            await asyncio.wait(pending)  # settled: written, or failed with nothing in flight
+        return common_pb2.AbortResponse(found=found or bool(pending))
+
+    def _expire_tombstones(self) -> None:
+        now = time.monotonic()
+        while self._aborted:
+            tid, expiry = next(iter(self._aborted.items()))
+            if expiry > now and len(self._aborted) <= _MAX_TOMBSTONES:
+                break
+            del self._aborted[tid]
 
     def metric_counters(self) -> dict[str, float]:
         return {"kv_transfer_bytes": self.sender.total_bytes, "prefill_requests": self.num_requests}

@@ -8,12 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillTarget(_message.Message):
-    __slots__ = ("address", "instance_id")
+    __slots__ = ("address", "instance_id", "registration", "predicted_prefill_s")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     address: str
     instance_id: str
-    def __init__(self, address: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    registration: bytes
+    predicted_prefill_s: float
+    def __init__(self, address: _Optional[str] = ..., instance_id: _Optional[str] = ..., registration: _Optional[bytes] = ..., predicted_prefill_s: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "transfer_id", "prompt_token_ids", "params", "cache_salt", "priority", "prefill")

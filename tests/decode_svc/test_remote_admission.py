@@ -1,0 +1,108 @@
+"""Remote-prefill reservations at the decode: queue limits, per-tenant caps, cancellation.
+
+Reviewer findings reproduced here: reserved-but-not-added remote prefills were not counted by
+`max_num_queued_reqs/tokens`; one tenant could reserve every block; a task cancelled during
+`RemotePrefill.run`'s reserve hop left its blocks allocated and `KVReceiver.poll` busy forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from decode_svc.receiver import KVReceiver
+from decode_svc.remote_prefill import RemotePrefill
+from engine import LLM, SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.request import Request
+from engine.scheduler import SchedulerFullError
+from kv_transfer import Agent
+from protos import decode_pb2
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=4)
+BS = 16
+
+
+def _llm(path, **kw) -> LLM:
+    return LLM(str(path), max_model_len=256, num_gpu_blocks_override=33, block_size=BS, **kw)
+
+
+def _req(rid: str, num_tokens: int, salt: str | None = None) -> Request:
+    prompt = [(7 * len(rid) + i) % 1000 + 3 for i in range(num_tokens)]
+    return Request(rid, prompt, PARAMS, set(), cache_salt=salt)
+
+
+def test_reserved_remote_prefills_count_against_the_queue_limits(tiny_qwen3_path):
+    core = _llm(tiny_qwen3_path, max_num_queued_reqs=2).engine
+    assert core.allocate_for_remote_prefill(_req("a", 20)) is not None
+    assert core.allocate_for_remote_prefill(_req("b", 20)) is not None
+    with pytest.raises(SchedulerFullError, match="max_num_queued_reqs=2"):
+        core.allocate_for_remote_prefill(_req("c", 20))
+    core.release_quarantine(core.quarantine_blocks(_req("a", 20)))  # a's transfer failed
+    assert core.allocate_for_remote_prefill(_req("c", 20)) is not None
+
+
+def test_reserved_tokens_count_against_max_num_queued_tokens(tiny_qwen3_path):
+    core = _llm(tiny_qwen3_path, max_num_queued_tokens=50).engine
+    assert core.allocate_for_remote_prefill(_req("a", 30)) is not None
+    with pytest.raises(SchedulerFullError, match="max_num_queued_tokens=50"):
+        core.allocate_for_remote_prefill(_req("b", 30))
+
+
+def test_one_salt_holds_at_most_its_share_of_blocks(tiny_qwen3_path):
+    core = _llm(tiny_qwen3_path).engine  # 32 usable blocks of 16 tokens
+    limit = 16
+    for i in range(2):  # 7 blocks each
+        assert core.allocate_for_remote_prefill(_req(f"a{i}", 100, "tenant:a"), limit)
+    with pytest.raises(SchedulerFullError, match="at most 16 per tenant"):
+        core.allocate_for_remote_prefill(_req("a2", 100, "tenant:a"), limit)
+    # Another tenant still gets blocks.
+    assert core.allocate_for_remote_prefill(_req("b0", 100, "tenant:b"), limit)
+
+
+def test_cancel_during_the_reserve_hop_leaks_nothing(tiny_qwen3_path):
+    core = _llm(tiny_qwen3_path).engine
+    idle_free = core.kv.num_free_blocks
+    engine = AsyncEngine(core)
+    agent = Agent("d-test", "inproc")
+    receiver = KVReceiver(agent)
+    engine.hooks.append(receiver.poll)
+    counters = {"num_remote_prefills": 0, "kv_transfer_bytes": 0}
+    remote = RemotePrefill(engine, agent, receiver, 5.0, 1.0, counters)
+    gate, entered = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        gate.wait()
+
+    async def run():
+        engine.submit(hold)  # hold the engine thread: the reserve hop queues behind it
+        assert await asyncio.to_thread(entered.wait, 5)
+        request = decode_pb2.GenerateRequest(
+            request_id="r1", prefill=[decode_pb2.PrefillTarget(address="127.0.0.1:1")]
+        )
+        task = asyncio.ensure_future(remote.run(_req("r1", 40), request, SimpleNamespace()))
+        deadline = time.monotonic() + 5
+        while engine._cmds.qsize() < 1:  # the reserve hop is queued
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()  # the reserve hop runs now, after its caller is gone
+        return await engine.call(
+            lambda: (core.kv.num_free_blocks, dict(receiver.expected), dict(core.reserved))
+        )
+
+    try:
+        free, expected, reserved = asyncio.run(run())
+    finally:
+        gate.set()
+        engine.shutdown()
+        agent.close()
+    assert (free, expected, reserved) == (idle_free, {}, {})
+    assert receiver.poll() is False  # nothing awaited: the loop may sleep
