@@ -3,7 +3,10 @@
 Per request: healthy instances from the registry → one index lookup (how many leading prompt
 blocks each holds; one round trip) → candidates (reported load + what this gateway routed since
 that report) → `plan_routes` → routes, best first. The first route's decision is counted by
-reason (`RoutingStats`) and its work is remembered as pending until the instances report it.
+reason (`RoutingStats`) and its work is remembered as pending until the instances report it;
+a failed attempt (refused, unreachable) takes back that request's own work, moved to its next
+route. An instance that has not reported its load yet is routable (unknown free blocks are not
+none).
 
 Degraded mode: when the index cannot answer (Redis down), every hit is unknown and the same
 model routes by load alone; requests keep flowing and `is_degraded` says so.
@@ -12,12 +15,13 @@ model routes by load alone; requests keep flowing and `is_degraded` says so.
 from __future__ import annotations
 
 import collections
+import contextvars
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from gateway.cost_model import Candidate, CostParams, Decision, plan_routes
+from gateway.cost_model import Candidate, CostParams, Decision, plan_routes, ttft_remote
 from gateway.index import BlockIndex, IndexTarget, IndexUnavailable
 from gateway.registry import Instance, InstanceRegistry, InstanceStatus
 from gateway.router import HealthMarks, Outcome, Route, Router
@@ -35,6 +39,15 @@ class RoutingStats:
     index_errors: int = 0
 
 
+@dataclass(eq=False)  # identity: two requests' equal work are two entries
+class PendingEntry:
+    """One request's work at one instance: `PendingWork.add` returns it, `drop` takes it back."""
+
+    instance_id: str
+    added_s: float
+    num_tokens: int
+
+
 class PendingWork:
     """Work this gateway routed that an instance's last report may not include yet.
 
@@ -45,17 +58,18 @@ class PendingWork:
 
     def __init__(self, ttl_s: float = 2.0, margin_s: float = 0.05, clock=time.time):
         self.ttl_s, self.margin_s, self._clock = ttl_s, margin_s, clock
-        self._entries: dict[str, collections.deque[tuple[float, int]]] = {}
+        self._entries: dict[str, collections.deque[PendingEntry]] = {}
 
-    def add(self, instance_id: str, num_tokens: int) -> None:
-        self._entries.setdefault(instance_id, collections.deque()).append(
-            (self._clock(), num_tokens)
-        )
+    def add(self, instance_id: str, num_tokens: int) -> PendingEntry:
+        entry = PendingEntry(instance_id, self._clock(), num_tokens)
+        self._entries.setdefault(instance_id, collections.deque()).append(entry)
+        return entry
 
-    def drop_one(self, instance_id: str) -> None:
-        entries = self._entries.get(instance_id)
-        if entries:
-            entries.pop()
+    def drop(self, entry: PendingEntry) -> None:
+        """Forget `entry` (its instance never took the request); nothing once it expired."""
+        entries = self._entries.get(entry.instance_id)
+        if entries is not None and entry in entries:
+            entries.remove(entry)
 
     def get(self, instance_id: str, as_of_s: float) -> tuple[int, int]:
         """(requests, prompt tokens) not yet in a report taken at `as_of_s` (wall clock)."""
@@ -63,9 +77,47 @@ class PendingWork:
         if not entries:
             return 0, 0
         horizon = max(as_of_s - self.margin_s, self._clock() - self.ttl_s)
-        while entries and entries[0][0] < horizon:
+        while entries and entries[0].added_s < horizon:
             entries.popleft()
-        return len(entries), sum(n for _, n in entries)
+        return len(entries), sum(e.num_tokens for e in entries)
+
+
+@dataclass
+class _Attempts:
+    """One request's plan as the gateway walks it: `decisions[current]` is being tried, and
+    `entries` is the pending work recorded for that attempt."""
+
+    decisions: list[Decision]
+    num_tokens: int
+    current: int = 0
+    entries: list[PendingEntry] = field(default_factory=list)
+
+    def is_trying(self, instance: Instance) -> bool:
+        if self.current >= len(self.decisions):
+            return False
+        return self.decisions[self.current].decode.instance.instance_id == instance.instance_id
+
+
+# The request whose task this is: `plan` sets it and `report` reads it, so a failed attempt takes
+# back that request's own pending work. `Router.report` carries no request id, and the gateway
+# admits every request (every n>1 child) in a task of its own (gateway/dispatch.py), which gets
+# its own copy of the context; a /health probe runs in another task and finds no attempts.
+_ATTEMPTS: contextvars.ContextVar[_Attempts | None] = contextvars.ContextVar(
+    "kv_router_attempts", default=None
+)
+
+
+def reported_free_blocks(status: InstanceStatus) -> int | None:
+    """The instance's free KV blocks, or None while it has reported no load.
+
+    An instance's first record can precede its engine's first load snapshot; the registry then
+    leaves every load field at its default, 0 free blocks at 0.0 usage. No real report says that
+    (usage = 1 - free / usable, so no free block is usage 1.0): it means unknown, not full, and a
+    new decode must get traffic before its first load report.
+    """
+    if status.num_free_blocks == 0 and status.kv_cache_usage == 0.0:
+        return None
+    return status.num_free_blocks
 
 
 class KVRouter(Router):
@@ -101,12 +153,23 @@ class KVRouter(Router):
 
     def report(self, instance: Instance, outcome: Outcome) -> None:
         self.health.report(instance, outcome)
-        if outcome is not Outcome.OK:
-            self.pending.drop_one(instance.instance_id)  # it never took the request
+        attempts = _ATTEMPTS.get()
+        if outcome is Outcome.OK or attempts is None or not attempts.is_trying(instance):
+            return  # admitted, or not a request's attempt (a /health probe)
+        # D never took the request (nor called its prefill): take back this request's work, and
+        # count it where the gateway tries next.
+        for entry in attempts.entries:
+            self.pending.drop(entry)
+        attempts.current += 1
+        attempts.entries = []
+        if attempts.current < len(attempts.decisions):
+            decision = attempts.decisions[attempts.current]
+            attempts.entries = self._add_pending(decision, attempts.num_tokens)
 
     async def plan(
         self, prompt_token_ids: Sequence[int], cache_salt: str | None = None
     ) -> list[Route]:
+        _ATTEMPTS.set(None)
         decodes = [d for d in self.registry.decodes() if self.health.is_healthy(d)]
         if not decodes:
             return []
@@ -121,7 +184,19 @@ class KVRouter(Router):
             self.params,
         )
         self._record(decisions[0], num_tokens, is_known)
-        return [Route(x.decode.instance, tuple(p.instance for p in x.prefills)) for x in decisions]
+        entries = self._add_pending(decisions[0], num_tokens)
+        _ATTEMPTS.set(_Attempts(decisions, num_tokens, entries=entries))
+        return [self._route(x, num_tokens) for x in decisions]
+
+    def _route(self, x: Decision, num_tokens: int) -> Route:
+        """The decision as an attempt, with each prefill's predicted time: the decode derives
+        how long to wait for that prefill from it."""
+        d, params = x.decode, self.params
+        predicted = [
+            ttft_remote(p, p.num_hit_tokens, d, d.num_hit_tokens, num_tokens, params)
+            for p in x.prefills
+        ]
+        return Route(d.instance, tuple(p.instance for p in x.prefills), tuple(predicted))
 
     async def _lookup(
         self,
@@ -160,6 +235,8 @@ class KVRouter(Router):
             return Candidate(instance, num_outstanding=num_reqs, num_pending_tokens=num_tokens_sent)
         num_hit_blocks = hits.get(instance.instance_id, 0)
         num_needed_blocks = -(-num_tokens // s.block_size) - num_hit_blocks if s.block_size else 0
+        num_free_blocks = reported_free_blocks(s)
+        is_full = num_free_blocks is not None and num_free_blocks < num_needed_blocks
         return Candidate(
             instance,
             num_hit_tokens=min(num_hit_blocks * s.block_size, num_tokens - 1),
@@ -168,7 +245,7 @@ class KVRouter(Router):
             prefill_tokens_per_s=s.prefill_tokens_per_s,
             kv_bytes_per_token=s.kv_bytes_per_block / s.block_size if s.block_size else 0.0,
             batch_token_budget=s.max_num_batched_tokens,
-            has_room=not is_decode or s.num_free_blocks >= num_needed_blocks,
+            has_room=not (is_decode and is_full),
         )
 
     def _record(self, decision: Decision, num_tokens: int, is_index_known: bool) -> None:
@@ -176,14 +253,18 @@ class KVRouter(Router):
         if not is_index_known and reason in ("load", "local_busy"):
             reason = "degraded"
         self.stats.route_decisions[reason] += 1
-        d = decision.decode
-        if decision.prefills:
-            p = decision.prefills[0]
-            self.pending.add(p.instance.instance_id, num_tokens - p.num_hit_tokens)
-            self.pending.add(d.instance.instance_id, 0)
-        else:
+        if not decision.prefills:
             self.stats.local_prefill_decisions += 1
-            self.pending.add(d.instance.instance_id, num_tokens - d.num_hit_tokens)
+
+    def _add_pending(self, decision: Decision, num_tokens: int) -> list[PendingEntry]:
+        d = decision.decode
+        if not decision.prefills:
+            return [self.pending.add(d.instance.instance_id, num_tokens - d.num_hit_tokens)]
+        p = decision.prefills[0]
+        return [
+            self.pending.add(p.instance.instance_id, num_tokens - p.num_hit_tokens),
+            self.pending.add(d.instance.instance_id, 0),
+        ]
 
 
 class RoutingCollector:

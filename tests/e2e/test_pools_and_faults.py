@@ -153,9 +153,19 @@ def test_tandem_serve_smollm2_paris_and_clean_shutdown(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
-    time.sleep(0.5)
-    for pid in children:
-        assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), f"orphan {pid}"
+    _wait(lambda: all(_is_gone(pid) for pid in children), 5)
+
+
+def _wait(check, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def _is_gone(pid: str) -> bool:
+    """Exited (reaped, or a zombie: it runs nothing and holds no port)."""
+    return not os.path.exists(f"/proc/{pid}") or _is_zombie(pid)
 
 
 def _is_zombie(pid: str) -> bool:

@@ -94,6 +94,27 @@ def test_cache_salt_isolates_prefixes():
     assert hash_block_tokens(range(8), BS)[1] == hash_block_tokens(range(8), BS, None, ())[1]
 
 
+def test_a_block_hits_only_after_the_same_blocks_before_it():
+    """Block i's hash chains over blocks 0..i-1: the same tokens after a different prefix are a
+    different block (their KV attended to different tokens), so `[a, c, b]` must not reuse the
+    `c` computed for `[x, c]`, although `a` and `c` are each cached."""
+    a, c, b, x, y = ([v] * BS for v in (1, 2, 3, 4, 5))
+    kv = KVCacheManager(num_blocks=20, block_size=BS)
+    schedule(kv, make_request("ay", a + y + [0]))  # caches a, then y after a
+    schedule(kv, make_request("xc", x + c + [0]))  # caches x, then c after x
+    assert hash_block_tokens(a + c, BS)[1] != hash_block_tokens(x + c, BS)[1]
+    assert len(kv.pool.cached) == 4
+    queries, hits = kv.prefix_stats.queries, kv.prefix_stats.hits
+    assert schedule(kv, make_request("acb", a + c + b + [0])) == BS  # a only
+    assert (kv.prefix_stats.queries - queries, kv.prefix_stats.hits - hits) == (3 * BS + 1, BS)
+    # Its block 1 is new, not xc's block 1; it caches its own c and b after a.
+    assert kv.get_block_ids("acb")[0] == kv.get_block_ids("ay")[0]
+    assert kv.get_block_ids("acb")[1] not in kv.get_block_ids("xc")
+    assert len(kv.pool.cached) == 6
+    # The same tokens after the same prefix do hit, every block.
+    assert schedule(kv, make_request("acb2", a + c + b + [9])) == 3 * BS
+
+
 def test_events_and_reset():
     kv = KVCacheManager(num_blocks=10, block_size=BS)
     a = make_request("a", list(range(9)))

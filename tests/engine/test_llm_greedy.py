@@ -98,6 +98,20 @@ def test_prefix_cache_hits(tiny_model_path):
     _assert_idle(llm)
 
 
+def test_prefix_hit_needs_every_block_before_it(tiny_model_path):
+    """Blocks a and c are both cached, but c only after x: `a + c + b` reuses a's 16 tokens and
+    recomputes c (its KV after a differs from its KV after x), so it still equals transformers."""
+    llm = LLM(str(tiny_model_path), max_model_len=256)
+    a, c, b, x, y = _random_prompts(5, 16, 16, seed=9)  # one 16-token block each
+    warm = llm.generate([a + y + [7], x + c + [7]], GREEDY)
+    stats = llm.engine.kv.prefix_stats
+    assert stats.hits == 0
+    (out,) = llm.generate([a + c + b + [7]], GREEDY)
+    assert out.num_cached_tokens == 16 and stats.hits == 16
+    _assert_matches_hf(tiny_model_path, [*warm, out], GREEDY.max_tokens)
+    _assert_idle(llm)
+
+
 def test_prefix_cache_with_preemption_and_chunking(tiny_qwen3_path):
     llm = LLM(
         str(tiny_qwen3_path),

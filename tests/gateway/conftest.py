@@ -27,15 +27,34 @@ MAX_MODEL_LEN = 256
 SERVED_NAME = "tiny-qwen3"
 
 
+class LockedLLM:
+    """The one offline engine, shared by tests and the fakes' server threads: `LLM` is
+    single-threaded, so every `generate`/`chat` holds the lock (a fake may still be generating
+    for the previous test when the next one starts)."""
+
+    def __init__(self, llm: LLM):
+        self._llm, self.lock = llm, threading.Lock()
+
+    def generate(self, *args, **kwargs):
+        with self.lock:
+            return self._llm.generate(*args, **kwargs)
+
+    def chat(self, *args, **kwargs):
+        with self.lock:
+            return self._llm.chat(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._llm, name)
+
+
 @pytest.fixture(scope="session")
-def llm(tiny_qwen3_path) -> LLM:
-    return LLM(str(tiny_qwen3_path), max_model_len=MAX_MODEL_LEN)
+def llm(tiny_qwen3_path) -> LockedLLM:
+    return LockedLLM(LLM(str(tiny_qwen3_path), max_model_len=MAX_MODEL_LEN))
 
 
 @pytest.fixture(scope="session")
 def fakes(llm) -> Iterator[list[tuple[FakeDecode, str]]]:
-    engine_lock = threading.Lock()
-    started = [start_fake_decode(llm, engine_lock) for _ in range(2)]
+    started = [start_fake_decode(llm, threading.Lock()) for _ in range(2)]
     yield [(servicer, address) for _, servicer, address in started]
     for server, _, _ in started:
         server.stop(grace=None)

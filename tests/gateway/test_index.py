@@ -89,6 +89,16 @@ def test_exact_leading_block_counts_per_instance(store):
     assert {k: v for k, v in counts.items() if v} == {"a": 4, "b": 2, "d": 2}
 
 
+def test_a_block_counts_only_after_the_same_blocks_before_it(store):
+    """The instance holds a, y-after-a, x and c-after-x; `a + c + b` holds only a there: its c
+    follows a, a different block from the c that follows x."""
+    a, c, b, x, y = ([v] * BS for v in (1, 2, 3, 4, 5))
+    store.write("i", "e1", stored(_hashes(a + y) + _hashes(x + c)), reset=True)
+    assert store.lookup(targets("i"), prompt=a + c + b + [0]) == {"i": 1}
+    assert store.lookup(targets("i"), prompt=x + c + b + [0]) == {"i": 2}
+    assert store.lookup(targets("i"), prompt=y + c + [0]).get("i", 0) == 0
+
+
 def test_the_last_token_is_never_a_hit(store):
     h = _hashes()
     store.write("a", "e1", stored(h), reset=True)
@@ -168,7 +178,10 @@ def test_redis_down_fails_fast_then_recovers(redis_server):  # noqa: F811
         assert loop.time() - t0 < 0.05
         redis_server.start()  # back, empty (the services re-publish; see test_registry_redis)
         RedisStore(redis_server.url).write("a", "e1", stored(_hashes()), reset=True)
-        await asyncio.sleep(0.35)
+        deadline = loop.time() + 5
+        while not index.is_available:  # the back-off window ends (retry_s)
+            assert loop.time() < deadline
+            await asyncio.sleep(0.01)
         assert await index.lookup(PROMPT, None, targets("a")) == {"a": 4}  # script reloaded
         await index.close()
 

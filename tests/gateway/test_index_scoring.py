@@ -9,7 +9,7 @@ from engine.block_hash import hash_block_tokens
 from engine.block_pool import KVCacheEvent
 from gateway.cost_model import Candidate, CostParams, plan_routes
 from gateway.index import EmbeddedIndex, IndexUnavailable
-from gateway.kv_router import KVRouter
+from gateway.kv_router import KVRouter, PendingWork
 from gateway.registry import Instance, InstanceStatus, StaticRegistry
 from gateway.router import Outcome
 
@@ -163,3 +163,100 @@ def test_router_without_statuses_still_routes():
     routes = [_plan(router, [1, 2, 3]) for _ in range(2)]
     assert [r[0].decode.address for r in routes] == ["d1:1", "d2:1"]  # pending work spreads
     assert routes[0][0].prefills[0].address == "p1:1"
+
+
+def test_a_decode_without_a_load_report_is_routable():
+    """A new instance's first record can come before its first load report: unknown free blocks
+    are not zero free blocks. The new decode gets the request; a reported full one does not."""
+    registry = StaticRegistry(["d1:1", "d2:1"], ["p1:1"])
+    d1, d2 = registry.decodes()
+    registry.set_status("d1:1", _status(num_running=2, num_free_blocks=100, kv_cache_usage=0.5))
+    registry.set_status("d2:1", _status())  # registered, no load yet
+    router = KVRouter(registry, EmbeddedIndex(), PARAMS)
+    assert [r.decode for r in _plan(router, list(range(40)))] == [d2, d1]
+    full = _status(num_free_blocks=0, kv_cache_usage=1.0)  # reported, and full
+    registry.set_status("d2:1", full)
+    assert [r.decode for r in _plan(router, list(range(40)))] == [d1, d2]
+
+
+def test_pending_work_drops_the_given_entry():
+    pending = PendingWork(clock=lambda: 100.0)
+    first, second = pending.add("p1", 300), pending.add("p1", 20)
+    pending.drop(first)
+    assert pending.get("p1", as_of_s=0.0) == (1, 20)
+    pending.drop(first)  # already gone: nothing else goes
+    assert pending.get("p1", as_of_s=0.0) == (1, 20)
+    pending.drop(second)
+    assert pending.get("p1", as_of_s=0.0) == (0, 0)
+
+
+def _admit_concurrently(router, requests) -> list:
+    """As gateway/dispatch.py does: each request plans, then reports its first attempt, in a task
+    of its own. Every request plans before any reports. Returns each request's first route."""
+    routes: list = []
+
+    async def admit(prompt, outcome, everyone_planned):
+        route = (await router.plan(prompt))[0]
+        routes.append(route)
+        await everyone_planned.wait()
+        router.report(route.decode, outcome)
+
+    async def run():
+        everyone_planned = asyncio.Event()
+        tasks = []
+        for prompt, outcome in requests:  # planned in this order
+            tasks.append(asyncio.create_task(admit(prompt, outcome, everyone_planned)))
+            while len(routes) < len(tasks):
+                await asyncio.sleep(0)
+        everyone_planned.set()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    return routes
+
+
+def test_a_refused_request_takes_back_its_own_pending_work():
+    """Two requests prefill locally on the one decode; it refuses the first (planned first): the
+    first's 300 prompt tokens leave its pending work, the second's 20 stay."""
+    registry = StaticRegistry(["d1:1"])
+    registry.set_status("d1:1", _status(num_free_blocks=100, kv_cache_usage=0.5))
+    router = KVRouter(registry, EmbeddedIndex(), PARAMS)
+    routes = _admit_concurrently(
+        router, [(list(range(300)), Outcome.REFUSED), (list(range(1000, 1020)), Outcome.OK)]
+    )
+    assert [r.prefills for r in routes] == [(), ()]
+    assert router.pending.get("d1:1", as_of_s=0.0) == (1, 20)
+    # A /health probe's outcome (no request's attempt) takes back nobody's work.
+    router.report(registry.decodes()[0], Outcome.UNAVAILABLE)
+    assert router.pending.get("d1:1", as_of_s=0.0) == (1, 20)
+
+
+def test_a_refused_attempt_moves_its_work_to_the_next_route():
+    """D1 refuses: it never called P1, so P1's work from it goes too, and the gateway's next try
+    (D2, again with P1) holds it. D2 refuses as well: nothing is headed anywhere."""
+    registry = StaticRegistry(["d1:1", "d2:1"], ["p1:1"])
+    for i in (*registry.decodes(), *registry.prefills()):
+        registry.set_status(i.instance_id, _status(num_free_blocks=100, kv_cache_usage=0.5))
+    router = KVRouter(registry, EmbeddedIndex(), PARAMS)
+
+    def pending() -> dict[str, tuple[int, int]]:
+        return {i: router.pending.get(i, as_of_s=0.0) for i in ("d1:1", "d2:1", "p1:1")}
+
+    async def admit() -> list[dict]:
+        routes = await router.plan(list(range(300)))
+        assert [(r.decode.address, [p.address for p in r.prefills]) for r in routes] == [
+            ("d1:1", ["p1:1"]),
+            ("d2:1", ["p1:1"]),
+        ]
+        seen = [pending()]
+        for route in routes:
+            router.report(route.decode, Outcome.REFUSED)
+            seen.append(pending())
+        router.report(routes[-1].decode, Outcome.UNAVAILABLE)  # no attempt left: changes nothing
+        assert pending() == seen[-1]
+        return seen
+
+    planned, after_d1, after_d2 = asyncio.run(admit())
+    assert planned == {"d1:1": (1, 0), "d2:1": (0, 0), "p1:1": (1, 300)}
+    assert after_d1 == {"d1:1": (0, 0), "d2:1": (1, 0), "p1:1": (1, 300)}
+    assert after_d2 == {"d1:1": (0, 0), "d2:1": (0, 0), "p1:1": (0, 0)}

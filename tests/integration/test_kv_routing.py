@@ -43,8 +43,7 @@ def serve(app):
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    while not server.started:
-        time.sleep(0.01)
+    _wait(lambda: server.started, 10)
     try:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
     finally:
@@ -97,10 +96,10 @@ def kv(tiny_qwen3_path, tmp_path_factory):
         server.kill()
 
 
-def _wait(check, timeout_s: float) -> None:
+def _wait(check, timeout_s: float, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
-        assert time.monotonic() < deadline, "condition not reached"
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout_s} s"
         time.sleep(0.05)
 
 
@@ -128,13 +127,47 @@ def hit_rate(kv: KVCluster, run) -> float:
     return hits / queries
 
 
-def play(workload, send_round) -> None:
-    """Turn by turn, each round's conversations in a shuffled order, sent concurrently."""
+def play(kv: KVCluster, workload, send_round) -> None:
+    """Turn by turn, each round's conversations in a shuffled order, sent concurrently; the next
+    turn starts once the round has settled (the user reads the answer meanwhile)."""
     rng = random.Random(7)
     for turn in range(NUM_TURNS):
         order = rng.sample(range(NUM_CONVERSATIONS), NUM_CONVERSATIONS)
-        asyncio.run(send_round([(c, workload[c][turn]) for c in order]))
-        time.sleep(0.3)  # the user reads the answer; cache events reach the index
+        batch = [(c, workload[c][turn]) for c in order]
+        asyncio.run(send_round(batch))
+        settle(kv, [prompt for _, prompt in batch], time.time())
+
+
+def settle(kv: KVCluster, prompts: list[list[int]], done_s: float) -> None:
+    """Wait until every prompt's blocks are in the index at some prefill, and every prefill
+    reported itself idle in a snapshot taken after `done_s` (wall clock): the gateway then counts
+    none of the round as pending work, and routes the next turn on what the round cached."""
+    registry = kv.state.registry
+    margin_s = kv.state.router.pending.margin_s
+
+    def indexed() -> bool:
+        counts = asyncio.run(index_lookups(kv, prompts))
+        return all(n == (len(p) - 1) // 16 for p, n in zip(prompts, counts))
+
+    def reported_idle() -> bool:
+        statuses = [registry.status(p) for p in registry.prefills()]
+        return all(
+            s is not None and s.as_of_s > done_s + margin_s and s.num_outstanding == 0
+            for s in statuses
+        )
+
+    _wait(indexed, 5, "every prompt of the round in the index at some prefill")
+    _wait(reported_idle, 5, "an idle load report from every prefill after the round")
+
+
+async def index_lookups(kv: KVCluster, prompts: list[list[int]]) -> list[int]:
+    """Per prompt, the most leading blocks any prefill holds."""
+    index = RedisBlockIndex(redis.asyncio.Redis.from_url(kv.redis.url))
+    targets = [IndexTarget(p.instance_id, p.epoch, 16) for p in kv.state.registry.prefills()]
+    try:
+        return [max((await index.lookup(p, None, targets)).values(), default=0) for p in prompts]
+    finally:
+        await index.close()
 
 
 def test_kv_routing_reaches_the_oracles_hit_rate(kv):
@@ -144,10 +177,14 @@ def test_kv_routing_reaches_the_oracles_hit_rate(kv):
     def direct(choose):  # call D with the prefill a policy chose, as the gateway would
         async def send_round(batch):
             stub = decode_stub(d_addr)
-            reqs = [
-                generate_request(f"{time.monotonic_ns()}-{c}", prompt, GREEDY, [await choose(c)])
-                for c, prompt in batch
-            ]
+            # D is registered in Redis: like the gateway, name each prefill with its sealed record.
+            sealed = {p.address: p.registration for p in kv.state.registry.prefills()}
+            reqs = []
+            for c, prompt in batch:
+                address = await choose(c)
+                req = generate_request(f"{time.monotonic_ns()}-{c}", prompt, GREEDY, [address])
+                req.prefill[0].registration = sealed[address]
+                reqs.append(req)
             results = await asyncio.gather(*(collect(stub, r) for r in reqs))
             assert all(final is not None for _, final, _ in results)
 
@@ -167,9 +204,9 @@ def test_kv_routing_reaches_the_oracles_hit_rate(kv):
         return (await rr.plan([]))[0].prefills[0].address
 
     rates = {
-        "oracle": hit_rate(kv, lambda: play(conversations(1), direct(oracle))),
-        "round_robin": hit_rate(kv, lambda: play(conversations(2), direct(round_robin))),
-        "kv": hit_rate(kv, lambda: play(conversations(3), via_gateway)),
+        "oracle": hit_rate(kv, lambda: play(kv, conversations(1), direct(oracle))),
+        "round_robin": hit_rate(kv, lambda: play(kv, conversations(2), direct(round_robin))),
+        "kv": hit_rate(kv, lambda: play(kv, conversations(3), via_gateway)),
     }
     print(f"prefix-cache hit rates: {rates}; decisions {kv.state.router.stats}")
     assert rates["kv"] >= 0.9 * rates["oracle"], rates
@@ -214,11 +251,20 @@ def test_pool_grows_and_shrinks_without_a_gateway_restart(kv):
             async for _ in stream:
                 pass
 
+    async def running_decode(task, timeout_s: float = 10.0):
+        """The decode that runs the stream, as soon as one does."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            loads = await aloads(kv.decodes + [d3], decode_stub)
+            busy = [c for c, ld in zip(kv.decodes + [d3], loads) if ld.num_running]
+            if busy:
+                return busy[0]
+            assert not task.done() and time.monotonic() < deadline, "the stream never ran"
+            await asyncio.sleep(0.02)
+
     async def kill_mid_stream():
         task = asyncio.ensure_future(long_stream())
-        await asyncio.sleep(0.3)
-        loads = await aloads(kv.decodes + [d3], decode_stub)
-        victim = next(c for c, ld in zip(kv.decodes + [d3], loads) if ld.num_running)
+        victim = await running_decode(task)
         victim.proc.kill()
         with pytest.raises(openai.APIError):  # a clean error event, not a hang
             await task
@@ -250,7 +296,8 @@ def test_redis_dies_and_comes_back(kv):
     before = router.stats.route_decisions["degraded"]
     asyncio.run(ask(4))  # degraded routing: still served
     assert router.is_degraded and router.stats.route_decisions["degraded"] > before
-    time.sleep(0.5)
+    # The registry saw Redis gone too, so its coming back is a recovery (not a first read).
+    _wait(lambda: not kv.state.registry.is_available, 2)
     kv.redis.start()  # empty: the services re-publish their registrations and caches
 
     async def lookup():
