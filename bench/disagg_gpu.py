@@ -20,8 +20,8 @@ from pathlib import Path
 
 from bench.common import ensure_internal_token, write_result
 from bench.gpu_engine import make_config_dir, random_prompts
-from engine.launcher import Cluster
 from engine.sampling_params import SamplingParams
+from tandem.launcher import Cluster
 from tests.fixtures.tiny_models import make_tiny_checkpoint
 from tests.integration.services import (
     collect,

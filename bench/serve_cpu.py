@@ -10,7 +10,7 @@ What is measured, per configuration, through the OpenAI gateway with the officia
 - The decode's GetLoad counters over the measured rounds (num_remote_prefills,
   num_local_prefills, kv_transfer_bytes, ...), to show which prefill path really ran.
 
-Configurations, each in a fresh `engine.launcher.Cluster` (stopped in `finally`):
+Configurations, each in a fresh `tandem.launcher.Cluster` (stopped in `finally`):
 - `1p1d`: `tandem prefill` + `tandem decode` (UCX KV transfer), gateway with `--prefill`.
 - `colocated`: `tandem decode` only, gateway without `--prefill` (the decode prefills locally).
 
@@ -48,7 +48,7 @@ if __package__ in (None, ""):  # run as a script: make `bench`, `engine`, `proto
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import ensure_internal_token, print_table, write_result  # noqa: E402
-from engine.launcher import Cluster  # noqa: E402
+from tandem.launcher import Cluster  # noqa: E402
 
 ensure_internal_token()
 

@@ -23,7 +23,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from engine.engine_core import EngineCore, EngineCoreOutput
+from engine.engine_core import EngineCore
+from engine.outputs import EngineCoreOutput
 from engine.request import Request
 
 logger = logging.getLogger(__name__)

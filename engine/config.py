@@ -7,15 +7,15 @@ objects and never re-parses arguments.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
+from engine.hf_config import load_generation_config, load_hf_config
 from engine.weights.hub import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,6 @@ _DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
 
 
 def _resolve_dtype(
@@ -48,36 +47,6 @@ def _resolve_dtype(
     if cfg_dtype in (None, torch.float32):
         return torch.float32 if cfg_dtype is not None else torch.bfloat16
     return cfg_dtype
-
-
-def load_hf_config(path: Path) -> PretrainedConfig:
-    """Load and check `config.json`, with errors that say what is wrong and what to do."""
-    try:
-        hf_config = AutoConfig.from_pretrained(str(path))
-    except (ValueError, OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"Malformed model config at {path / 'config.json'}: {e}") from e
-    archs = getattr(hf_config, "architectures", None) or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(
-            f"Model architectures {archs} are not supported. Supported architectures: "
-            f"{list(SUPPORTED_ARCHITECTURES)}."
-        )
-    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-        value = getattr(hf_config, name, None)
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(
-                f"Malformed model config at {path}: `{name}` must be a positive integer, "
-                f"got {value!r}."
-            )
-    return hf_config
-
-
-def load_generation_config(path: Path) -> dict[str, Any]:
-    gen_path = path / "generation_config.json"
-    if not gen_path.exists():
-        return {}
-    with open(gen_path) as f:
-        return json.load(f)
 
 
 @dataclass(frozen=True)

@@ -19,27 +19,17 @@ that might preempt, a request that could pass max_tokens) resolves the pending s
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.model_runner import LaunchedStep, ModelRunner
+from engine.outputs import EngineCoreOutput
 from engine.request import PLACEHOLDER, Request, RequestStatus
 from engine.sampler import skip_sampler_step
 from engine.scheduler import Scheduler, SchedulerFullError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineCoreOutput:
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[dict[int, float]] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
 
 
 @dataclass

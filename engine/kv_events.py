@@ -20,9 +20,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.block_pool import KVCacheEvent
-from engine.engine_core import EngineCore
+
+if TYPE_CHECKING:  # the gateway imports this module (through engine.registry): no torch
+    from engine.engine_core import EngineCore
 
 # How often the throughput estimate is folded, and how fast it follows changes.
 _RATE_WINDOW_S = 0.5

@@ -72,7 +72,7 @@ class ModelRunner:
     def _make_backend(self) -> AttentionBackend:
         if self.device.type != "cuda":
             return TorchPagedAttention()
-        from kernels.attention_backend import TritonPagedAttention
+        from engine.attention_triton import TritonPagedAttention
 
         return TritonPagedAttention(static_max_seq_len=self.config.model.max_model_len)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from engine.engine_core import EngineCoreOutput
+from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
 
 

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,10 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrai
             f"no tokenizer in {str(path)!r}: expected one of {', '.join(_VOCAB_FILES)} or a "
             "*.tiktoken file; pass a tokenizer folder explicitly if it lives elsewhere"
         )
+    # Imported here: transformers' Auto classes import torch (when installed); the gateway
+    # imports this module for `apply_chat_template` and must not pay for torch.
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if not tokenizer.is_fast:
         # Still usable (the detokenizer only needs convert_tokens_to_string), just slower.

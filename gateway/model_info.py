@@ -14,7 +14,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.config import load_generation_config, load_hf_config
+from engine.hf_config import load_generation_config, load_hf_config
 from engine.tokenizer import load_tokenizer
 from engine.weights.hub import resolve_model_path
 from gateway.config import GatewaySettings

@@ -7,9 +7,9 @@
     rotary                  in-place neox RoPE on q/k, optionally after Qwen3 q/k RMSNorm
     activation              SiLU-and-mul of the packed gate_up projection
     reference               plain torch versions of all of the above (the tests' oracle)
-    attention_backend       TritonPagedAttention: engine's AttentionBackend on these kernels
     utils                   interpreter detection (and its numpy>=2.4 fix), device facts
 
 Kernels run on CUDA, or on CPU in Triton's interpreter when TRITON_INTERPRET=1 is set before
-these modules are imported (tests only: each launch costs ~0.1-2 s).
+these modules are imported (tests only: each launch costs ~0.1-2 s). Nothing here imports `engine`:
+the attention backend built on these kernels is `engine/attention_triton.py`.
 """

@@ -12,9 +12,12 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
+
+if TYPE_CHECKING:  # the gateway imports this package (for `resolve_model_path`): no torch
+    import torch
 
 logger = logging.getLogger(__name__)
 

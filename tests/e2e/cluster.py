@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from engine.launcher import Child, Cluster
+from tandem.launcher import Child, Cluster
 from tests.integration.services import decode_stub, get_load, prefill_stub, wait_idle
 
 

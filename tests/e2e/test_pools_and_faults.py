@@ -116,7 +116,7 @@ def test_tandem_serve_smollm2_paris_and_clean_shutdown(tmp_path):
         [
             sys.executable,
             "-m",
-            "engine.cli",
+            "tandem.cli",
             "serve",
             "--port",
             str(port),

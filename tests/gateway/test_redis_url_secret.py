@@ -36,7 +36,7 @@ def test_services_refuse_a_password_on_argv_before_loading_anything(role):
     url = "redis://user:s3cret@127.0.0.1:1/0"
     argv = [role, "--redis-url", url] + (["--model", "x"] if role == "gateway" else ["x"])
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.cli", *argv], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "tandem.cli", *argv], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode != 0
     assert "TANDEM_REDIS_URL_FILE" in proc.stderr and "s3cret" not in proc.stderr

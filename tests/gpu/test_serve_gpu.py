@@ -28,7 +28,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog and then"
 def test_tandem_serve_device_cuda(tiny_qwen3_path):
     port = 9000 + os.getpid() % 500
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "serve", str(tiny_qwen3_path), "--device", "cuda",
+        [sys.executable, "-m", "tandem.cli", "serve", str(tiny_qwen3_path), "--device", "cuda",
          "--dtype", "float32", "--max-model-len", "256", "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip

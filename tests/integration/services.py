@@ -6,10 +6,10 @@ import asyncio
 import time
 
 from engine.internal_auth import internal_channel
-from engine.launcher import Cluster
 from engine.sampling_params import SamplingParams
 from engine.serving import sampling_params_to_proto
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from tandem.launcher import Cluster
 
 ENGINE_FLAGS = ["--max-model-len", "256", "--num-gpu-blocks-override", "64"]
 

@@ -89,7 +89,7 @@ def _run_all(cases: dict[str, tuple[list[str], dict[str, str]]]) -> dict[str, tu
     """Run `tandem <argv>` for every case at once; (exit code, stderr) of each."""
     procs = {
         name: subprocess.Popen(
-            [sys.executable, "-m", "engine.cli", *argv],
+            [sys.executable, "-m", "tandem.cli", *argv],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -124,7 +124,7 @@ def test_bare_processes_refuse_to_start_without_a_token():
 def test_insecure_internal_warns_and_serves_unauthenticated(tiny_qwen3_path):
     argv = ["decode", str(tiny_qwen3_path), *ENGINE_FLAGS, "--insecure-internal"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", *argv],
+        [sys.executable, "-m", "tandem.cli", *argv],
         env=_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

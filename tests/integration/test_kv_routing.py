@@ -18,7 +18,6 @@ import pytest
 import redis.asyncio
 import uvicorn
 
-from engine.launcher import Cluster
 from engine.sampling_params import SamplingParams
 from gateway.app import build_state, create_app
 from gateway.config import GatewaySettings
@@ -26,6 +25,7 @@ from gateway.index import IndexTarget
 from gateway.redis_index import RedisBlockIndex
 from gateway.registry import StaticRegistry
 from gateway.router import RoundRobinRouter
+from tandem.launcher import Cluster
 from tests.integration.services import collect, decode_stub, generate_request, get_load
 from tests.integration.services import prefill_stub as p_stub
 from tests.redis_server import RedisServer

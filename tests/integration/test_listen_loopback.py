@@ -23,7 +23,7 @@ def _children(pid: int) -> list[int]:
 
 
 def test_serve_listens_on_loopback_only(tiny_qwen3_path):
-    cmd = [sys.executable, "-m", "engine.cli", "serve", str(tiny_qwen3_path), "--port", "0"]
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", str(tiny_qwen3_path), "--port", "0"]
     proc = subprocess.Popen(
         [*cmd, *ENGINE_FLAGS],
         stdout=subprocess.PIPE,

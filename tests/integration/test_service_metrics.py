@@ -9,8 +9,8 @@ import socket
 import httpx
 import pytest
 
-from engine.launcher import Cluster
 from engine.sampling_params import SamplingParams
+from tandem.launcher import Cluster
 from tests.integration.services import ENGINE_FLAGS, collect, decode_stub, generate_request
 
 

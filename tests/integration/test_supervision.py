@@ -19,12 +19,12 @@ import httpx
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.launcher import _die_with_parent
 from engine.registry import INSTANCES_KEY
 from engine.sampling_params import SamplingParams
 from engine.service_main import EXIT_ENGINE_DEAD
 from engine.serving import sampling_params_to_proto
 from protos import decode_pb2, decode_pb2_grpc
+from tandem.launcher import _die_with_parent
 from tests.integration.services import ENGINE_FLAGS
 from tests.redis_server import redis_server  # noqa: F401  (the fixture)
 
@@ -137,7 +137,7 @@ def _await_completion(base_url: str, model: str, timeout_s: float) -> httpx.Resp
 def test_tandem_serve_restarts_a_killed_decode_and_serves_again(tiny_qwen3_path):
     model = str(tiny_qwen3_path)
     launcher = LineProc(
-        [sys.executable, "-m", "engine.cli", "serve", model, *ENGINE_FLAGS, "--port", "0"]
+        [sys.executable, "-m", "tandem.cli", "serve", model, *ENGINE_FLAGS, "--port", "0"]
     )
     try:
         _, m = launcher.wait_for(r"^Tandem is serving .* at (http://\S+/v1)", START_S)

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "serve":
-        from engine.launcher import serve_main
+        from tandem.launcher import serve_main
 
         return serve_main(rest)
     if cmd == "prefill":

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.launcher import Child, Cluster
+    from tandem.launcher import Child, Cluster
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention import AttentionMetadata, TorchPagedAttention
-from kernels.attention_backend import TritonPagedAttention
+from engine.attention_triton import TritonPagedAttention
 from tests.kernels.helpers import make_paged_kv, max_rel_err, packed_qkv, test_device
 
 BLOCK_SIZE, HEAD_DIM = 4, 16

@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from engine.launcher import Child, _on_port, _without, gpu_memory_shares
-from engine.supervisor import GiveUpError, RestartPolicy, Supervisor
+from tandem.launcher import Child, _on_port, _without, gpu_memory_shares
+from tandem.supervisor import GiveUpError, RestartPolicy, Supervisor
 
 
 def _args(device: str, util: float = 0.9) -> argparse.Namespace:

@@ -4,7 +4,7 @@ Each service is started with port 0 and prints `READY <role> host:port` once it 
 launcher reads that line, so no port is ever guessed. Children get SIGTERM if the launcher
 dies (PR_SET_PDEATHSIG), and the launcher stops them all on Ctrl-C / SIGTERM: no orphans.
 
-A child that exits is restarted on the port it had (`engine/supervisor.py` says how often and
+A child that exits is restarted on the port it had (`tandem/supervisor.py` says how often and
 when the launcher gives up, exiting 1).
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from engine.internal_auth import ENV_TOKEN
 from engine.registry import REDIS_URL_ENV, resolve_redis_url
-from engine.supervisor import GiveUpError, Supervisor
+from tandem.supervisor import GiveUpError, Supervisor
 
 logger = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -55,7 +55,7 @@ class Cluster:
 
     def spawn(self, role: str, argv: list[str], replaces: Child | None = None) -> Child:
         """Start a child without waiting for it (`child.ready`); in `replaces`'s place."""
-        cmd = [sys.executable, "-m", "engine.cli", role, *argv]
+        cmd = [sys.executable, "-m", "tandem.cli", role, *argv]
         proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
@@ -181,11 +181,15 @@ def serve_main(argv: list[str] | None = None) -> int:
             # A replacement starts while all the others run: it gets the last (whole) share.
             supervisor.watch(child, _on_port(svc + shares[-1], child.address))
         prefills, decodes = started[: args.num_prefill], started[args.num_prefill :]
-        instances = [] if redis_url else [
-            "--decode",
-            ",".join(c.address for c in decodes),
-            *(["--prefill", ",".join(c.address for c in prefills)] if prefills else []),
-        ]
+        instances = (
+            []
+            if redis_url
+            else [
+                "--decode",
+                ",".join(c.address for c in decodes),
+                *(["--prefill", ",".join(c.address for c in prefills)] if prefills else []),
+            ]
+        )
         gw_args = [
             "--model",
             args.model,
