@@ -7,8 +7,9 @@ So `/docs`, `/openapi.json`, `/metrics` or a route someone adds later stay unrea
 are listed here. The allowlist runs before auth: unknown paths cost no hashing, and the
 surface it reveals (the OpenAI routes) is public anyway.
 
-Auth: `Authorization: Bearer <key>`; the principal is stored in `scope["state"]["principal"]`
-for routes (`deps.PrincipalDep`) and the access log. With no keys configured every caller is
+Auth: exactly one `Authorization: Bearer <key>` header (several are a 400, not "the last one
+wins"); the principal is stored in `scope["state"]["principal"]` for routes
+(`deps.PrincipalDep`) and the access log. With no keys configured every caller is
 the anonymous principal. Bodies: Content-Length above the limit is refused up front; a chunked
 body is read here, bounded, and replayed to the app.
 
@@ -38,6 +39,10 @@ _MISSING_KEY = (
     "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
 )
 _WRONG_KEY = "Incorrect API key provided."
+_SEVERAL_KEYS = (
+    "The request has more than one Authorization header. Send exactly one "
+    "(Authorization: Bearer YOUR_KEY)."
+)
 
 
 def is_allowed_path(path: str) -> bool:
@@ -79,7 +84,8 @@ class EdgeMiddleware:
             return
         principal = self.anonymous
         if self.keys.is_enabled and scope["path"] not in self.public_paths:
-            principal, error = self._authenticate(headers.get(b"authorization"))
+            values = [v for k, v in scope["headers"] if k == b"authorization"]
+            principal, error = self._authenticate(values)
             if error is not None:
                 await error.response()(scope, receive, send)
                 return
@@ -102,8 +108,14 @@ class EdgeMiddleware:
             return APIError("Method Not Allowed", 405, headers={"Allow": allow})
         return None
 
-    def _authenticate(self, header: bytes | None) -> tuple[Principal, APIError | None]:
-        """The principal, or the 401 to send. Nothing about the presented value is echoed."""
+    def _authenticate(self, values: list[bytes]) -> tuple[Principal, APIError | None]:
+        """The principal, or the 401 (400: several headers) to send. Nothing about the presented
+        values is echoed."""
+        if len(values) > 1:
+            # Which one would count depends on who reads the headers (the last wins in a dict, a
+            # proxy may check the first): refuse the ambiguity instead of picking one.
+            return self.anonymous, APIError(_SEVERAL_KEYS, 400)
+        header = values[0] if values else None
         reason, message = "missing", _MISSING_KEY
         if header is not None:
             scheme, _, token = header.strip().partition(b" ")

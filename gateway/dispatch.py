@@ -23,10 +23,16 @@ from dataclasses import dataclass
 import grpc
 from transformers import PreTrainedTokenizerBase
 
-from engine.engine_core import EngineCoreOutput
 from engine.output_processor import OutputProcessor, RequestState
+from engine.outputs import EngineCoreOutput
 from gateway.clients import DecodeClients
-from gateway.errors import APIError
+from gateway.errors import (
+    DECODE_BUSY_MID_STREAM,
+    DECODE_FAILED,
+    DECODE_FAILED_MID_STREAM,
+    APIError,
+    hidden_failure,
+)
 from gateway.preprocess import ChildJob, to_proto
 from gateway.registry import Instance
 from gateway.router import Outcome, Router
@@ -107,7 +113,11 @@ class ChildStream:
             msg = await self.call.read()
         except grpc.aio.AioRpcError as e:
             self._is_done = True
-            raise APIError(f"Decode failed mid-stream: {e.details() or e.code().name}", 500) from e
+            detail = (
+                f"{self.state.request_id} at {self.decode.address}: {e.code().name}: "
+                f"{e.details()} ({e.debug_error_string()})"
+            )
+            raise hidden_failure(DECODE_FAILED_MID_STREAM, detail) from e
         if msg is grpc.aio.EOF:
             self._is_done = True
             raise APIError("Decode ended the stream without a final message.", 500)
@@ -230,15 +240,24 @@ class Dispatcher:
 
 
 def error_from_event(error: common_pb2.Error, retry_after_s: int | None = None) -> APIError:
+    """A decode's Error event. INVALID_ARGUMENT keeps its message (it is about the client's
+    request); any other code's message is the decode's internals, logged but not sent."""
     status = _ERROR_STATUS.get(error.code, 500)
-    message = error.message or common_pb2.Error.Code.Name(error.code)
-    return APIError(message, status, retry_after_s=retry_after_s if status == 503 else None)
+    if status == 400:
+        return APIError(error.message or "Invalid request.", 400)
+    detail = f"{common_pb2.Error.Code.Name(error.code)}: {error.message}"
+    if status == 503:
+        return hidden_failure(DECODE_BUSY_MID_STREAM, detail, 503, retry_after_s)
+    return hidden_failure(DECODE_FAILED_MID_STREAM, detail, status)
 
 
 def error_from_rpc(e: grpc.aio.AioRpcError) -> APIError:
+    """A decode call that failed before its first message, with a status other than the
+    refusals the dispatcher retries elsewhere."""
     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
         return APIError(e.details() or "Invalid request.", 400)
-    return APIError(f"Decode failed: {e.details() or e.code().name}", 500)
+    detail = f"{e.code().name}: {e.details()} ({e.debug_error_string()})"
+    return hidden_failure(DECODE_FAILED, detail)
 
 
 async def merge(streams: Sequence[ChildStream]) -> AsyncIterator[TokenDelta]:

@@ -72,8 +72,34 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(message, 400, param=param)
 
 
+# How much of an unknown model's name a 404 repeats: enough to spot a typo, not a megabyte.
+MAX_ECHOED_MODEL_CHARS = 256
+
+
 def model_not_found(model: str | None) -> APIError:
-    return APIError(f"The model `{model}` does not exist.", 404, param="model")
+    name = str(model)
+    if len(name) > MAX_ECHOED_MODEL_CHARS:
+        name = f"{name[:MAX_ECHOED_MODEL_CHARS]}... ({len(name)} characters)"
+    return APIError(f"The model `{name}` does not exist.", 404, param="model")
+
+
+# What a client is told when a decode fails; the decode's own words only go to the log.
+DECODE_FAILED = "The model server failed to run this request. Retry the request."
+DECODE_FAILED_MID_STREAM = (
+    "The model server failed while generating this response; any output already sent is "
+    "incomplete. Retry the request."
+)
+DECODE_BUSY_MID_STREAM = "The model server ran out of capacity for this request; retry later."
+
+
+def hidden_failure(
+    message: str, detail: str, status_code: int = 500, retry_after_s: int | None = None
+) -> APIError:
+    """An error whose client-facing `message` says what failed and what to do, while `detail`
+    (gRPC status names, peer addresses, `debug_error_string`, an engine exception's text) only
+    reaches the gateway's log: the client cannot act on it, an attacker could map the cluster."""
+    logger.warning("%s Detail: %s", message, detail)
+    return APIError(message, status_code, retry_after_s=retry_after_s)
 
 
 def _format_validation(exc: RequestValidationError) -> str:

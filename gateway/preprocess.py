@@ -32,6 +32,14 @@ def check_model(info: ModelInfo, model: str | None) -> None:
         raise model_not_found(model)
 
 
+def check_supported(req: SamplingFields) -> None:
+    """Refuse a parameter the gateway would otherwise ignore (see `protocol.Unsupported`)."""
+    unsupported = req.unsupported_field()
+    if unsupported is not None:
+        name, message = unsupported
+        raise bad_request(message, name)
+
+
 def check_caps(limits: TenantLimits, req: SamplingFields, num_prompts: int = 1) -> None:
     """The key's caps, before any work: `max_n` bounds the choices of one response (n times
     the prompts, as each choice is an engine request), `max_tokens` the requested length."""

@@ -1,20 +1,71 @@
 """Request bodies of the OpenAI API, with vLLM's extra sampling fields.
 
-Unknown fields are ignored (as vLLM does) so newer SDKs keep working. `None` means "not set by
-the client": the model's generation_config.json then supplies the default.
+Every field a request model declares is one of three kinds, and a client never gets a 200 for a
+value the gateway would silently ignore (tests/gateway/test_request_fields.py walks
+`model_fields` and fails on a field that is none of them):
+  implemented: it has an effect, shown by a test that file names;
+  `UNSUPPORTED`: a real OpenAI / vLLM parameter not implemented yet; accepted only at a value
+    that changes nothing (unset, empty, false, ...), anything else is a 400 naming it;
+  `NO_EFFECT`: accepted at any well-typed value because, by the API's own definition, it does
+    not change the completion (an end-user id, cache hints).
+Fields no model declares are ignored with a warning log, as vLLM does, so newer SDKs keep working.
+
+Input is strict: no bool for an int, no "0.5" for a float, no "yes" for a bool; NaN and
+±Infinity are refused; integers stay within the proto's int32 (seed: int64); no string anywhere in
+the body may hold a lone UTF-16 surrogate (JSON can spell "\\ud800", UTF-8 cannot carry it).
+`None` means "not set by the client": the model's generation_config.json then supplies the
+default.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# vLLM bounds `seed` to a signed 64-bit integer (the proto field is int64).
+logger = logging.getLogger(__name__)
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+Int32 = Annotated[int, Field(ge=_INT32_MIN, le=_INT32_MAX)]
+Int64 = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]  # vLLM bounds `seed` the same way
+
+# strict: JSON types as declared (pydantic's lax mode would take true for 1 and "0.5" for 0.5).
+_STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A parameter the gateway does not implement: the values that change nothing are accepted,
+    any other is refused with "`name` is not currently supported" (vLLM's wording)."""
+
+    noop_values: tuple[Any, ...] = (None,)
+    allowed: str = "leave it unset"  # how to send the request instead, for the message
+    what: str = ""  # what is missing, for the message
+    is_noop: Callable[[Any, Any], bool] | None = None  # (value, request); overrides noop_values
+
+    def accepts(self, value: Any, request: Any) -> bool:
+        if self.is_noop is not None:
+            return self.is_noop(value, request)
+        # Compare types too: JSON's 0 and 1 are not false and true.
+        return any(type(value) is type(v) and value == v for v in self.noop_values)
+
+    def message(self, name: str) -> str:
+        what = f" ({self.what})" if self.what else ""
+        return f"{name} is not currently supported{what}; {self.allowed}."
+
+
+_STRUCTURED = "structured outputs are not implemented yet"
+_TOOLS = "tool calling is not implemented yet"
+_UNSET_OR_FALSE = Unsupported((None, False), "leave it unset or false")
 
 
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
@@ -22,31 +73,108 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields shared by chat and completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str | None = None
-    n: int = 1
+    n: Int32 = 1
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
-    max_tokens: int | None = None
+    seed: Int64 | None = None
+    max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     # vLLM extra-body fields.
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int32 = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int32] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: Int32 = 0
     cache_salt: str | None = None
+
+    # NO_EFFECT
+    user: str | None = None
+
+    # UNSUPPORTED: typed Any so that any value reaches the check and its message.
+    logit_bias: Any = None
+    prompt_logprobs: Any = None
+    echo: Any = None
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structural_tag: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    truncate_prompt_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    request_id: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+
+    NO_EFFECT: ClassVar[dict[str, str]] = {
+        "user": "an end-user id for the provider's abuse monitoring; vLLM ignores it too",
+    }
+    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {
+        "logit_bias": Unsupported((None, {}), "leave it unset or empty"),
+        # The engine computes prompt logprobs, but the decode proto does not carry the request.
+        "prompt_logprobs": Unsupported(),
+        "echo": _UNSET_OR_FALSE,
+        "response_format": Unsupported(
+            (None, {"type": "text"}), 'leave it unset or {"type": "text"}', _STRUCTURED
+        ),
+        "structured_outputs": Unsupported(what=_STRUCTURED),
+        "guided_json": Unsupported(what=_STRUCTURED),
+        "guided_regex": Unsupported(what=_STRUCTURED),
+        "guided_choice": Unsupported(what=_STRUCTURED),
+        "guided_grammar": Unsupported(what=_STRUCTURED),
+        "guided_decoding_backend": Unsupported(what=_STRUCTURED),
+        "guided_whitespace_pattern": Unsupported(what=_STRUCTURED),
+        "structural_tag": Unsupported(what=_STRUCTURED),
+        "use_beam_search": _UNSET_OR_FALSE,
+        "length_penalty": Unsupported((None, 1, 1.0), "leave it unset or 1", "beam search only"),
+        "allowed_token_ids": Unsupported(),
+        "bad_words": Unsupported((None, []), "leave it unset or empty"),
+        "logits_processors": Unsupported(),
+        "truncate_prompt_tokens": Unsupported(),
+        # The gateway's tokenizers are fast ones, whose decode has no such switch.
+        "spaces_between_special_tokens": Unsupported((None, True), "leave it unset or true"),
+        "return_tokens_as_token_ids": _UNSET_OR_FALSE,
+        "return_token_ids": _UNSET_OR_FALSE,
+        "request_id": Unsupported(what="the gateway names requests itself"),
+        "kv_transfer_params": Unsupported(),
+        "vllm_xargs": Unsupported(),
+    }
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_raw_body(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            problem = _find_lone_surrogate(data)
+            if problem is not None:
+                raise ValueError(problem)
+            ignored = [k for k in data if k not in cls.model_fields]
+            if ignored:
+                names = ", ".join(repr(k[:64]) for k in sorted(ignored)[:20])
+                logger.warning(
+                    "The following fields were present in the request but ignored: %s", names
+                )
+        return data
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingFields:
@@ -61,9 +189,16 @@ class SamplingFields(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def unsupported_field(self) -> tuple[str, str] | None:
+        """The first field set to a value the gateway would ignore: (name, 400 message)."""
+        for name, rule in self.UNSUPPORTED.items():
+            if name in self.model_fields_set and not rule.accepts(getattr(self, name), self):
+                return name, rule.message(name)
+        return None
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -83,13 +218,88 @@ class ChatMessage(BaseModel):
         return message
 
 
+# Keys of chat_template_kwargs the gateway decides itself, or that would smuggle in what the
+# request fields refuse (an arbitrary template, tool definitions).
+_RESERVED_TEMPLATE_KWARGS = (
+    "chat_template",
+    "tools",
+    "documents",
+    "messages",
+    "conversation",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+)
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+    # NO_EFFECT
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+
+    # UNSUPPORTED
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    documents: Any = None
+    mm_processor_kwargs: Any = None
+    reasoning_effort: Any = None
+    include_reasoning: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+    moderation: Any = None
+    store: Any = None
+    service_tier: Any = None
+
+    NO_EFFECT: ClassVar[dict[str, str]] = {
+        **SamplingFields.NO_EFFECT,
+        "parallel_tool_calls": "only qualifies `tools`, which is refused",
+        "metadata": "tags for stored completions; nothing is stored (`store` is refused)",
+        "safety_identifier": "an end-user id for the provider's abuse monitoring",
+        "prompt_cache_key": "a cache-routing hint; routing here follows the cached blocks",
+        "prompt_cache_retention": "a cache-lifetime hint; the prefix cache evicts by LRU",
+        "prompt_cache_options": "cache breakpoint hints; the prefix cache is automatic",
+    }
+    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {
+        **SamplingFields.UNSUPPORTED,
+        "tools": Unsupported((None, []), "leave it unset or empty", _TOOLS),
+        "tool_choice": Unsupported((None, "none"), 'leave it unset or "none"', _TOOLS),
+        "functions": Unsupported((None, []), "leave it unset or empty", _TOOLS),
+        "function_call": Unsupported((None, "none"), 'leave it unset or "none"', _TOOLS),
+        "continue_final_message": _UNSET_OR_FALSE,
+        "chat_template": Unsupported(what="the model's own template is used"),
+        "documents": Unsupported(),
+        "mm_processor_kwargs": Unsupported(what="the model takes text only"),
+        "reasoning_effort": Unsupported(),
+        "include_reasoning": Unsupported((None, True), "leave it unset or true"),
+        "audio": Unsupported(what="the model takes and produces text only"),
+        "modalities": Unsupported((None, ["text"]), 'leave it unset or ["text"]'),
+        "prediction": Unsupported(),
+        "web_search_options": Unsupported(),
+        "verbosity": Unsupported(),
+        "moderation": Unsupported(),
+        "store": Unsupported((None, False), "leave it unset or false", "nothing is stored"),
+        "service_tier": Unsupported(
+            (None, "auto", "default"), 'leave it unset, "auto" or "default"'
+        ),
+    }
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
@@ -98,6 +308,16 @@ class ChatCompletionRequest(SamplingFields):
                 raise ValueError("`top_logprobs` must be a positive value.")
             if self.top_logprobs > 0 and not self.logprobs:
                 raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+        return self
+
+    @model_validator(mode="after")
+    def _check_template_kwargs(self) -> ChatCompletionRequest:
+        for key in _RESERVED_TEMPLATE_KWARGS:
+            if key in (self.chat_template_kwargs or {}):
+                raise ValueError(
+                    f"chat_template_kwargs may not set {key!r}: the gateway sets it, or it is a "
+                    "feature that is not supported; remove it from chat_template_kwargs."
+                )
         return self
 
     def requested_max_tokens(self) -> int | None:
@@ -110,11 +330,30 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+def _best_of_is_noop(best_of: Any, req: Any) -> bool:
+    return best_of is None or (type(best_of) is int and best_of == 1 and req.n == 1)
+
+
 class CompletionRequest(SamplingFields):
     # A string, a list of strings, token ids, or a list of token-id lists (smart-mode union).
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: Int32 | None = None
     add_special_tokens: bool = True
+
+    # UNSUPPORTED
+    suffix: Any = None
+    best_of: Any = None
+    prompt_embeds: Any = None
+
+    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {
+        **SamplingFields.UNSUPPORTED,
+        "suffix": Unsupported(),
+        "best_of": Unsupported(
+            allowed="leave it unset (or 1 with n=1) and use n for several completions",
+            is_noop=_best_of_is_noop,
+        ),
+        "prompt_embeds": Unsupported(what="prompts are text or token ids"),
+    }
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
@@ -133,3 +372,38 @@ class CompletionRequest(SamplingFields):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+
+def _find_lone_surrogate(body: dict[str, Any]) -> str | None:
+    """Where the body holds a string UTF-8 cannot encode, as a 400 message; None if nowhere."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if _surrogate_at(key) is not None:
+                    return _surrogate_message(f"a key of {path or 'the body'}", key)
+                stack.append((f"{path}.{key[:64]}" if path else key[:64], item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, str) and _surrogate_at(value) is not None:
+            return _surrogate_message(path, value)
+    return None
+
+
+def _surrogate_at(text: str) -> int | None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def _surrogate_message(where: str, text: str) -> str:
+    i = _surrogate_at(text)
+    assert i is not None
+    return (
+        f"{where} contains a lone UTF-16 surrogate (\\u{ord(text[i]):04x} at character {i}); "
+        "strings must be valid Unicode: send the character itself, or a \\uD800-\\uDBFF escape "
+        "directly followed by a \\uDC00-\\uDFFF one."
+    )

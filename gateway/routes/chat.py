@@ -14,6 +14,7 @@ from gateway.logprobs import TokenTexts, chat_logprobs
 from gateway.preprocess import (
     check_caps,
     check_model,
+    check_supported,
     make_jobs,
     resolve_cache_salt,
     tokenize_chat,
@@ -87,6 +88,7 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, gw: GatewayDep, principal: PrincipalDep
 ) -> Response:
     check_model(gw.model, body.model)
+    check_supported(body)
     check_caps(principal.limits, body)
     cache_salt = resolve_cache_salt(principal, body)
     prompt = tokenize_chat(gw.model, body)

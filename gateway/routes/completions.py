@@ -14,6 +14,7 @@ from gateway.logprobs import TokenTexts, completion_logprobs
 from gateway.preprocess import (
     check_caps,
     check_model,
+    check_supported,
     make_jobs,
     resolve_cache_salt,
     tokenize_completion,
@@ -78,6 +79,7 @@ async def create_completion(
     body: CompletionRequest, request: Request, gw: GatewayDep, principal: PrincipalDep
 ) -> Response:
     check_model(gw.model, body.model)
+    check_supported(body)
     check_caps(principal.limits, body, num_prompts=len(body.prompts()))
     cache_salt = resolve_cache_salt(principal, body)
     prompts = tokenize_completion(gw.model, body)

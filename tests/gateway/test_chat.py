@@ -72,6 +72,7 @@ def test_extra_body_fields_reach_the_decode(client, fake):
         messages=MESSAGES,
         max_tokens=3,
         temperature=0.5,
+        top_p=0.5,
         presence_penalty=0.5,
         frequency_penalty=-0.5,
         extra_body={
@@ -81,14 +82,17 @@ def test_extra_body_fields_reach_the_decode(client, fake):
             "min_tokens": 2,
             "stop_token_ids": [7, 9],
             "ignore_eos": True,
+            "priority": 3,
         },
     )
+    assert fake.record.requests[0].priority == 3
     p = fake.record.requests[0].params
     assert (p.top_k, p.min_tokens, list(p.stop_token_ids), p.ignore_eos) == (5, 2, [7, 9], True)
     assert p.min_p == pytest.approx(0.1) and p.repetition_penalty == pytest.approx(1.2)
     assert p.presence_penalty == pytest.approx(0.5)
     assert p.frequency_penalty == pytest.approx(-0.5)
     assert p.temperature == pytest.approx(0.5) and p.max_tokens == 3
+    assert p.top_p == pytest.approx(0.5)
 
 
 def test_n2_with_seed_is_reproducible(client, fake):

@@ -94,17 +94,24 @@ def test_refusal_is_503_with_retry_after(client, gateway_url, fake, as_event):
     _error(resp)
 
 
-def test_error_mid_stream_is_an_sse_error_event(gateway_url, client, fake):
+# The decode's own message ("boom": an engine exception's text) is logged, never sent.
+DECODE_FAILED = "The model server failed while generating this response"
+
+
+def test_error_mid_stream_is_an_sse_error_event(gateway_url, client, fake, caplog):
     fake.knobs.fail_after_tokens = 3
     body = {"prompt": "Hello", "max_tokens": 10, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{gateway_url}/v1/completions", json=body) as resp:
-        assert resp.status_code == 200
-        events = [line for line in resp.iter_lines() if line]
+    with caplog.at_level("WARNING", logger="gateway"):
+        with httpx.stream("POST", f"{gateway_url}/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            events = [line for line in resp.iter_lines() if line]
     assert events[-1] == "data: [DONE]"
-    assert events[-2].startswith('data: {"error":') and '"boom"' in events[-2]
+    assert events[-2].startswith('data: {"error":') and DECODE_FAILED in events[-2]
+    assert "boom" not in events[-2] and "DECODE_FAILED" not in events[-2]
+    assert any("DECODE_FAILED: boom" in r.getMessage() for r in caplog.records)
     assert len(events) >= 3  # some text made it out before the failure
     # The SDK turns the event into an exception.
-    with pytest.raises(openai.APIError, match="boom"):
+    with pytest.raises(openai.APIError, match=DECODE_FAILED):
         list(
             client.completions.create(
                 model=SERVED_NAME,
@@ -115,7 +122,7 @@ def test_error_mid_stream_is_an_sse_error_event(gateway_url, client, fake):
             )
         )
     # Not streamed: nothing was sent yet, so it is a plain HTTP error.
-    with pytest.raises(openai.InternalServerError, match="boom"):
+    with pytest.raises(openai.InternalServerError, match=DECODE_FAILED):
         client.completions.create(
             model=SERVED_NAME, prompt="Hello", max_tokens=10, extra_body={"ignore_eos": True}
         )
@@ -123,7 +130,7 @@ def test_error_mid_stream_is_an_sse_error_event(gateway_url, client, fake):
 
 def test_error_before_first_token_is_http_error(client, fake):
     fake.knobs.fail_after_tokens = 0
-    with pytest.raises(openai.InternalServerError, match="boom"):
+    with pytest.raises(openai.InternalServerError, match=DECODE_FAILED):
         list(
             client.completions.create(model=SERVED_NAME, prompt="Hello", max_tokens=5, stream=True)
         )
