@@ -1,6 +1,7 @@
 """One request's bookkeeping after validation: quota reservation, settlement, metrics.
 
-`metered(...)` reserves the request's quota (429 when refused), runs the route's `respond`, and
+`reserve_estimate(...)` reserves the request's quota from an estimate (429 when refused) before
+tokenizing; `metered(...)` runs the route's `respond`, and
 returns its response wrapped so that `close` runs exactly once when the ASGI call ends, however
 it ends: last byte sent, error, client disconnect (streamed or not), cancellation. `close`
 settles the reservation with the tokens actually used (taken from the response builder) and
@@ -12,7 +13,8 @@ its generator's `finally`, but the response call always returns.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
@@ -20,9 +22,10 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.auth import Principal
 from gateway.edge import Edge
-from gateway.preprocess import ChildJob
 from gateway.quota_service import Ticket
 from gateway.serving import ResponseBuilder
+
+T = TypeVar("T")
 
 
 class _Meter:
@@ -86,18 +89,34 @@ class MeteredResponse(Response):
             self.on_done()
 
 
+async def reserve_estimate(
+    edge: Edge,
+    principal: Principal,
+    request_id: str,
+    num_tokens_estimate: int,
+    prepare: Callable[[], Awaitable[T]],
+) -> tuple[Ticket, T]:
+    """Reserve the estimate (429 when refused) *before* `prepare` (tokenizing) runs, so a key
+    over its quota costs no tokenizer time; a `prepare` that fails releases it uncharged (the
+    request never reached a decode). `metered` then settles on the exact count."""
+    ticket = await edge.quota.reserve(principal, request_id, num_tokens_estimate)
+    try:
+        return ticket, await prepare()
+    except BaseException:
+        edge.quota.release(ticket, 0)
+        raise
+
+
 async def metered(
     edge: Edge,
     request: Request,
-    principal: Principal,
-    jobs: Sequence[ChildJob],
+    ticket: Ticket,
     builder: ResponseBuilder,
     run: Callable[[], Awaitable[Response]],
 ) -> Response:
-    """Reserve `sum(prompt_len) + sum(max_tokens)` for the request, run it, settle at the end."""
+    """Run the request under `ticket` (from `reserve_estimate`); settle it at the end with the
+    tokens actually used."""
     start_s = request.scope.get("state", {}).get("arrival_s", time.perf_counter())
-    num_tokens = sum(builder.prompt_lens) + sum(job.params.max_tokens or 0 for job in jobs)
-    ticket = await edge.quota.reserve(principal, builder.request_id, num_tokens)
     meter = _Meter(edge, ticket, builder, start_s)
     try:
         response = await run()

@@ -14,6 +14,7 @@ from gateway.dispatch import Dispatcher
 from gateway.edge import Edge
 from gateway.logprobs import TokenTexts
 from gateway.model_info import ModelInfo
+from gateway.offload import Preprocessor
 from gateway.registry import InstanceRegistry
 from gateway.router import Router
 
@@ -28,6 +29,12 @@ class GatewayState:
     dispatcher: Dispatcher
     token_texts: TokenTexts
     edge: Edge
+    preprocessor: Preprocessor = None  # type: ignore[assignment]  # built from settings
+
+    def __post_init__(self) -> None:
+        if self.preprocessor is None:
+            s = self.settings
+            self.preprocessor = Preprocessor(s.preprocess_workers, s.tokenize_timeout_s)
 
 
 # Dependencies are `async def` on purpose: FastAPI runs plain `def` dependencies in a worker

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
 from gateway.auth import Principal, TenantLimits
-from gateway.errors import bad_request, model_not_found
+from gateway.errors import APIError, bad_request, model_not_found
 from gateway.model_info import ModelInfo
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from protos import common_pb2
@@ -32,9 +32,9 @@ def check_model(info: ModelInfo, model: str | None) -> None:
         raise model_not_found(model)
 
 
-def check_supported(req: SamplingFields) -> None:
+def check_supported(req: SamplingFields, allowed: frozenset[str] = frozenset()) -> None:
     """Refuse a parameter the gateway would otherwise ignore (see `protocol.Unsupported`)."""
-    unsupported = req.unsupported_field()
+    unsupported = req.unsupported_field(allowed)
     if unsupported is not None:
         name, message = unsupported
         raise bad_request(message, name)
@@ -71,23 +71,120 @@ def resolve_cache_salt(principal: Principal, req: SamplingFields) -> str:
     return principal.cache_salt
 
 
-def tokenize_chat(info: ModelInfo, req: ChatCompletionRequest) -> list[int]:
+def check_stop(req: SamplingFields, max_stop_strings: int) -> None:
+    """Each stop string is matched against every new piece of text: the list is bounded."""
+    if isinstance(req.stop, list) and len(req.stop) > max_stop_strings:
+        raise bad_request(
+            f"'stop' has {len(req.stop)} strings; this gateway accepts at most "
+            f"{max_stop_strings} stop strings.",
+            "stop",
+        )
+
+
+def request_chat_template(req: ChatCompletionRequest, is_trusted: bool) -> str | None:
+    """The request's own template (field or chat_template_kwargs), only with vLLM's
+    --trust-request-chat-template: a template is a Jinja program the gateway would run."""
+    from_kwargs = (req.chat_template_kwargs or {}).get("chat_template")
+    if from_kwargs is not None and not is_trusted:
+        raise bad_request(
+            "chat_template_kwargs may not set 'chat_template': the gateway runs without "
+            "--trust-request-chat-template; remove it from chat_template_kwargs.",
+            "chat_template_kwargs",
+        )
+    template = req.chat_template if req.chat_template is not None else from_kwargs
+    if template is not None and not isinstance(template, str):
+        raise bad_request("chat_template must be a string.", "chat_template")
+    return template
+
+
+def estimate_num_tokens(
+    info: ModelInfo, req: SamplingFields, prompt_num_bytes: Sequence[int], limits: TenantLimits
+) -> int:
+    """The quota reservation before tokenizing: bytes / 4 per prompt (bounded by the context),
+    plus n times the requested (else the largest possible) max_tokens. `metered` settles on
+    the exact count."""
+    max_len = info.max_model_len
+    total = 0
+    for num_bytes in prompt_num_bytes:
+        prompt_est = min(max_len, -(-num_bytes // 4))
+        max_tokens = req.requested_max_tokens()
+        if max_tokens is None:
+            max_tokens = max(0, max_len - prompt_est)
+        if limits.max_tokens:
+            max_tokens = min(max_tokens, limits.max_tokens)
+        total += prompt_est + req.n * max_tokens
+    return total
+
+
+def _max_token_bytes(tokenizer) -> int:
+    """An upper bound on the bytes one token covers (cached on the tokenizer)."""
+    cached = getattr(tokenizer, "_tandem_max_token_bytes", None)
+    if cached is None:
+        cached = max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=1)
+        tokenizer._tandem_max_token_bytes = cached
+    return cached
+
+
+def _too_long(max_len: int, what: str) -> APIError:
+    return bad_request(
+        f"This model's maximum context length is {max_len} tokens. However, your request has "
+        f"{what} input tokens. Please reduce the length of the input messages.",
+        "messages",
+    )
+
+
+def encode_bounded(info: ModelInfo, text: str, add_special_tokens: bool) -> list[int]:
+    """`tokenizer.encode`, refusing over-long text without building its id list.
+
+    Byte length first: a token covers at most `_max_token_bytes` bytes, and normalization
+    shrinks UTF-8 by at most 4x, so `bytes / (4 * max_token_bytes)` tokens is a lower bound;
+    a 7.5 MB prompt is a 400 at once. Then, for fast tokenizers, the Rust encoding's length
+    before its ids: converting millions of ids to a list holds the GIL (the event loop)."""
+    max_len = info.max_model_len
+    num_bytes = len(text.encode("utf-8"))
+    min_tokens = num_bytes // (4 * _max_token_bytes(info.tokenizer))
+    if min_tokens >= max_len:
+        raise _too_long(max_len, f"at least {min_tokens} ({num_bytes} bytes of)")
+    backend = getattr(info.tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return list(info.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    encoding = backend.encode(text, add_special_tokens=add_special_tokens)
+    if len(encoding) >= max_len:
+        raise _too_long(max_len, str(len(encoding)))
+    return list(encoding.ids)
+
+
+def tokenize_chat(
+    info: ModelInfo, req: ChatCompletionRequest, chat_template: str | None = None
+) -> list[int]:
+    """Runs in the preprocessing pool (gateway/offload.py)."""
+    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "chat_template"}
     try:
         messages = [m.to_template_dict() for m in req.messages]
-        return apply_chat_template(
-            info.tokenizer, messages, req.add_generation_prompt, **(req.chat_template_kwargs or {})
+        if chat_template is None and not getattr(info.tokenizer, "chat_template", None):
+            # engine.tokenizer.apply_chat_template's message
+            apply_chat_template(info.tokenizer, messages, req.add_generation_prompt)
+        text = info.tokenizer.apply_chat_template(
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=req.add_generation_prompt,
+            tokenize=False,
+            **kwargs,
         )
     except ValueError as e:
         raise bad_request(str(e), "messages") from e
     except Exception as e:  # noqa: BLE001 - jinja errors: a template that rejects the messages
         raise bad_request(f"Failed to apply the chat template: {e}", "messages") from e
+    assert isinstance(text, str), type(text)
+    return encode_bounded(info, text, add_special_tokens=False)
 
 
 def tokenize_completion(info: ModelInfo, req: CompletionRequest) -> list[list[int]]:
+    """Runs in the preprocessing pool (gateway/offload.py)."""
     result = []
     for prompt in req.prompts():
         if isinstance(prompt, str):
-            ids = list(info.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens))
+            ids = encode_bounded(info, prompt, req.add_special_tokens)
         else:
             ids = prompt
             bad = [t for t in ids if not 0 <= t < info.vocab_size]

@@ -189,9 +189,12 @@ class SamplingFields(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def unsupported_field(self) -> tuple[str, str] | None:
-        """The first field set to a value the gateway would ignore: (name, 400 message)."""
+    def unsupported_field(self, allowed: frozenset[str] = frozenset()) -> tuple[str, str] | None:
+        """The first field set to a value the gateway would ignore: (name, 400 message).
+        `allowed`: fields this gateway's flags turn on (`chat_template`)."""
         for name, rule in self.UNSUPPORTED.items():
+            if name in allowed:
+                continue
             if name in self.model_fields_set and not rule.accepts(getattr(self, name), self):
                 return name, rule.message(name)
         return None
@@ -219,9 +222,9 @@ class ChatMessage(BaseModel):
 
 
 # Keys of chat_template_kwargs the gateway decides itself, or that would smuggle in what the
-# request fields refuse (an arbitrary template, tool definitions).
+# request fields refuse (tool definitions). `chat_template` is checked with the gateway's flag
+# (`preprocess.request_chat_template`).
 _RESERVED_TEMPLATE_KWARGS = (
-    "chat_template",
     "tools",
     "documents",
     "messages",
@@ -284,7 +287,10 @@ class ChatCompletionRequest(SamplingFields):
         "functions": Unsupported((None, []), "leave it unset or empty", _TOOLS),
         "function_call": Unsupported((None, "none"), 'leave it unset or "none"', _TOOLS),
         "continue_final_message": _UNSET_OR_FALSE,
-        "chat_template": Unsupported(what="the model's own template is used"),
+        "chat_template": Unsupported(
+            what="the model's own template is used unless the gateway runs with "
+            "--trust-request-chat-template"
+        ),
         "documents": Unsupported(),
         "mm_processor_kwargs": Unsupported(what="the model takes text only"),
         "reasoning_effort": Unsupported(),

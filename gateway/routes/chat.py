@@ -7,15 +7,19 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from gateway.accounting import metered
+from gateway.accounting import metered, reserve_estimate
 from gateway.deps import GatewayDep, PrincipalDep
 from gateway.dispatch import RequestOptions, TokenDelta
 from gateway.logprobs import TokenTexts, chat_logprobs
+from gateway.offload import openapi_body, parse_body
 from gateway.preprocess import (
     check_caps,
     check_model,
+    check_stop,
     check_supported,
+    estimate_num_tokens,
     make_jobs,
+    request_chat_template,
     resolve_cache_salt,
     tokenize_chat,
 )
@@ -83,29 +87,44 @@ class ChatBuilder(ResponseBuilder):
         }
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
 async def create_chat_completion(
-    body: ChatCompletionRequest, request: Request, gw: GatewayDep, principal: PrincipalDep
+    request: Request, gw: GatewayDep, principal: PrincipalDep
 ) -> Response:
+    # The body is parsed in the preprocessing pool, not by FastAPI on the event loop.
+    settings, pre = gw.settings, gw.preprocessor
+    raw = await request.body()
+    body = await pre.run(parse_body, ChatCompletionRequest, raw, settings.max_messages)
     check_model(gw.model, body.model)
-    check_supported(body)
+    is_trusted = settings.trust_request_chat_template
+    check_supported(body, frozenset({"chat_template"}) if is_trusted else frozenset())
+    chat_template = request_chat_template(body, is_trusted)
     check_caps(principal.limits, body)
+    check_stop(body, settings.max_stop_strings)
     cache_salt = resolve_cache_salt(principal, body)
-    prompt = tokenize_chat(gw.model, body)
-    num_logprobs = body.num_logprobs()
-    jobs = make_jobs(
-        gw.model,
-        body,
-        [prompt],
-        num_logprobs,
-        gw.settings.max_logprobs,
-        max_tokens_cap=principal.limits.max_tokens,
-    )
     opts = RequestOptions(
         f"chatcmpl-{uuid.uuid4().hex}",
         cache_salt,
         body.priority,
-        gw.settings.retry_after_s,
+        settings.retry_after_s,
+    )
+    num_logprobs = body.num_logprobs()
+
+    async def prepare() -> tuple[list[int], list]:
+        prompt = await pre.run(tokenize_chat, gw.model, body, chat_template)
+        jobs = make_jobs(
+            gw.model,
+            body,
+            [prompt],
+            num_logprobs,
+            settings.max_logprobs,
+            max_tokens_cap=principal.limits.max_tokens,
+        )
+        return prompt, jobs
+
+    estimate = estimate_num_tokens(gw.model, body, [len(raw)], principal.limits)
+    ticket, (prompt, jobs) = await reserve_estimate(
+        gw.edge, principal, opts.request_id, estimate, prepare
     )
     builder = ChatBuilder(
         opts.request_id,
@@ -118,8 +137,7 @@ async def create_chat_completion(
     return await metered(
         gw.edge,
         request,
-        principal,
-        jobs,
+        ticket,
         builder,
         lambda: respond(
             request,

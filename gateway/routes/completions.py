@@ -7,14 +7,17 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from gateway.accounting import metered
+from gateway.accounting import metered, reserve_estimate
 from gateway.deps import GatewayDep, PrincipalDep
 from gateway.dispatch import RequestOptions, TokenDelta
 from gateway.logprobs import TokenTexts, completion_logprobs
+from gateway.offload import openapi_body, parse_body
 from gateway.preprocess import (
     check_caps,
     check_model,
+    check_stop,
     check_supported,
+    estimate_num_tokens,
     make_jobs,
     resolve_cache_salt,
     tokenize_completion,
@@ -74,26 +77,40 @@ class CompletionBuilder(ResponseBuilder):
         }
 
 
-@router.post("/v1/completions")
-async def create_completion(
-    body: CompletionRequest, request: Request, gw: GatewayDep, principal: PrincipalDep
-) -> Response:
+@router.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
+async def create_completion(request: Request, gw: GatewayDep, principal: PrincipalDep) -> Response:
+    # The body is parsed in the preprocessing pool, not by FastAPI on the event loop.
+    settings, pre = gw.settings, gw.preprocessor
+    raw = await request.body()
+    body = await pre.run(parse_body, CompletionRequest, raw, settings.max_messages)
     check_model(gw.model, body.model)
     check_supported(body)
-    check_caps(principal.limits, body, num_prompts=len(body.prompts()))
+    prompts_in = body.prompts()
+    check_caps(principal.limits, body, num_prompts=len(prompts_in))
+    check_stop(body, settings.max_stop_strings)
     cache_salt = resolve_cache_salt(principal, body)
-    prompts = tokenize_completion(gw.model, body)
-    num_logprobs = body.num_logprobs()
-    jobs = make_jobs(
-        gw.model,
-        body,
-        prompts,
-        num_logprobs,
-        gw.settings.max_logprobs,
-        max_tokens_cap=principal.limits.max_tokens,
-    )
     opts = RequestOptions(
-        f"cmpl-{uuid.uuid4().hex}", cache_salt, body.priority, gw.settings.retry_after_s
+        f"cmpl-{uuid.uuid4().hex}", cache_salt, body.priority, settings.retry_after_s
+    )
+    num_logprobs = body.num_logprobs()
+
+    async def prepare() -> tuple[list[list[int]], list]:
+        prompts = await pre.run(tokenize_completion, gw.model, body)
+        jobs = make_jobs(
+            gw.model,
+            body,
+            prompts,
+            num_logprobs,
+            settings.max_logprobs,
+            max_tokens_cap=principal.limits.max_tokens,
+        )
+        return prompts, jobs
+
+    # Token-id prompts are counted exactly (4 bytes per id makes bytes / 4 their length).
+    num_bytes = [len(p.encode()) if isinstance(p, str) else 4 * len(p) for p in prompts_in]
+    estimate = estimate_num_tokens(gw.model, body, num_bytes, principal.limits)
+    ticket, (prompts, jobs) = await reserve_estimate(
+        gw.edge, principal, opts.request_id, estimate, prepare
     )
     builder = CompletionBuilder(
         opts.request_id,
@@ -106,8 +123,7 @@ async def create_completion(
     return await metered(
         gw.edge,
         request,
-        principal,
-        jobs,
+        ticket,
         builder,
         lambda: respond(
             request,

@@ -1,0 +1,98 @@
+"""Request preprocessing off the event loop: body parsing, chat templating, tokenization.
+
+The event loop only moves bytes; everything whose cost grows with the request runs in
+`Preprocessor`'s thread pool, under a time bound (`tokenize_timeout_s`) and size bounds:
+  `max_request_body_bytes` (413, before parsing; gateway/allowlist.py),
+  `max_messages` (400, after the JSON parse, before pydantic validates the messages),
+  a prompt whose byte length alone proves it over the context is a 400 before tokenizing
+  (`preprocess.check_bytes_fit`), and a prompt the tokenizer finds too long never has its ids
+  turned into a Python list.
+Why these and not just "a thread": pydantic-core and the JSON parser hold the GIL for their
+whole call (measured: ~1 s to validate 200k messages), so a thread alone does not free the
+loop; the bounds keep each GIL-holding call short (tens of ms), and between calls the loop
+runs. A timed-out worker still finishes in the background (threads cannot be killed); the
+size bounds keep that finite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import pydantic_core
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+
+from gateway.errors import bad_request
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+
+class Preprocessor:
+    def __init__(self, num_workers: int, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="preprocess")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in the pool; a 400 when it takes longer than `timeout_s`."""
+        future = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        try:
+            return await asyncio.wait_for(future, self.timeout_s)
+        except TimeoutError:
+            raise bad_request(
+                f"Preparing the request took longer than {self.timeout_s:g} s; send a shorter "
+                "prompt or fewer messages.",
+                "messages",
+            ) from None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def parse_body(model: type[M], raw: bytes, max_messages: int) -> M:
+    """The JSON body as `model`, with FastAPI's validation errors (the app's handler turns
+    them into vLLM's 400s). Runs in the pool."""
+    try:
+        data = pydantic_core.from_json(raw)  # ~7x faster than json.loads: less GIL held
+    except ValueError:
+        try:  # what jiter refuses and json accepts (lone surrogates: a precise 400 follows)
+            data = json.loads(raw)
+        except ValueError as e:
+            error = {"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error"}
+            raise RequestValidationError([{**error, "input": {}, "ctx": {"error": str(e)}}]) from e
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if isinstance(messages, list) and len(messages) > max_messages:
+        raise bad_request(
+            f"The request has {len(messages)} messages; this gateway accepts at most "
+            f"{max_messages}.",
+            "messages",
+        )
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        errors = [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)]
+        raise RequestValidationError(errors) from e
+
+
+def openapi_body(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` for a route that parses its own body: the model's schema, inlined (the
+    fuzz tests and clients read it from the OpenAPI document)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    content = {"application/json": {"schema": inline(schema)}}
+    return {"requestBody": {"required": True, "content": content}}
