@@ -25,7 +25,13 @@ from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.engine_core import EngineCore
 from engine.metrics import start_metrics_server
 from engine.registry import add_registry_args, resolve_redis_url
-from engine.serving import KVPublishing, add_engine_args, engine_config_from_args, serve_health
+from engine.serving import (
+    HelpFormatter,
+    KVPublishing,
+    add_engine_args,
+    engine_config_from_args,
+    serve_health,
+)
 from engine.tokenizer import get_eos_token_ids, load_tokenizer
 from kv_transfer import Agent
 
@@ -52,20 +58,29 @@ class ServiceContext:
 
 
 def service_parser(role: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(f"tandem {role}", description=f"Run a {role} service.")
+    parser = argparse.ArgumentParser(
+        f"tandem {role}", description=f"Run a {role} service.", formatter_class=HelpFormatter
+    )
     add_engine_args(parser)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    parser.add_argument("--instance-id", default=None)
+    parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
+    parser.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free port")
+    parser.add_argument(
+        "--instance-id", default=None, help="name in the registry (None: ROLE-<random hex>)"
+    )
     add_registry_args(parser)
-    parser.add_argument("--kv-backend", default="ucx", choices=["ucx", "inproc"])
+    parser.add_argument(
+        "--kv-backend",
+        default="ucx",
+        choices=["ucx", "inproc"],
+        help="KV transfer backend (inproc: one process, tests only)",
+    )
     parser.add_argument(
         "--metrics-port",
         type=int,
         default=None,
         help="Prometheus /metrics on this port (0: any free one); off if unset",
     )
-    parser.add_argument("--metrics-host", default="127.0.0.1")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="Prometheus bind address")
     parser.add_argument(
         "--kv-interface",
         default=os.environ.get(ENV_KV_INTERFACE) or None,

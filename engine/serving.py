@@ -35,26 +35,83 @@ READY_STALL_S = 30.0
 MAX_PROMPT_TOKENS_HARD_CAP = 1 << 20  # reject absurd token lists before touching them
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows every flag's default: appended unless the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if "(default" in help_text:
+            return help_text
+        return super()._get_help_string(action) or ""
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """vLLM's engine flags, with the same names and meanings."""
-    parser.add_argument("model", nargs="?", default="HuggingFaceTB/SmolLM2-135M-Instruct")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--max-num-queued-reqs", type=int, default=None)
-    parser.add_argument("--max-num-queued-tokens", type=int, default=None)
     parser.add_argument(
-        "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false"
+        "model",
+        nargs="?",
+        default="HuggingFaceTB/SmolLM2-135M-Instruct",
+        help="local Hugging Face folder or hub id",
     )
-    parser.add_argument("--load-format", default="auto")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--dtype", default="auto", help="weight and activation dtype")
+    parser.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda if present)")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length, prompt + output (None: the model config's)",
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory for weights, activations and the KV cache",
+    )
+    parser.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="KV cache size in bytes (on CPU; None: sized automatically)",
+    )
+    parser.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        help="number of KV-cache blocks, overriding profiling",
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one batch")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of one step (None: max(8192, --max-num-seqs))",
+    )
+    parser.add_argument(
+        "--max-num-queued-reqs",
+        type=int,
+        default=None,
+        help="queued requests past which new ones are refused (None: no limit)",
+    )
+    parser.add_argument(
+        "--max-num-queued-tokens",
+        type=int,
+        default=None,
+        help="queued tokens past which new requests are refused (None: no limit)",
+    )
+    parser.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="turn off prefix caching (default: on)",
+    )
+    parser.add_argument(
+        "--load-format", default="auto", help="auto, or dummy (random weights, for benchmarks)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs (default: graphs on CUDA)"
+    )
     parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,

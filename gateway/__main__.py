@@ -12,6 +12,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from engine import internal_auth
+from engine.ports import bind_error
 from engine.registry import resolve_redis_url
 from gateway.app import create_app
 from gateway.auth import KeyStore
@@ -38,6 +39,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # Keys themselves are never flags (argv is visible to every user): TANDEM_API_KEYS.
     p.add_argument("--api-keys-file", help="key file (default: $TANDEM_API_KEYS_FILE)")
     p.add_argument("--router", choices=["kv", "round_robin"], help="routing policy (default kv)")
+    p.add_argument(
+        "--enable-tokenizer-endpoints",
+        action="store_true",
+        default=None,
+        help="serve vLLM's POST /tokenize and /detokenize (default off)",
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        default=None,
+        help="let requests pass their own chat_template (vLLM's flag; default: refused)",
+    )
     p.add_argument("--log-level", default="info")
     internal_auth.add_internal_auth_args(p)  # the token and TLS files: environment only
     return p.parse_args(argv)
@@ -48,7 +61,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     names = (
         *("host", "port", "model", "served_model_name", "max_model_len", "decode", "prefill"),
         *("redis_url", "metrics_port", "metrics_host", "api_keys_file"),
-        "router",
+        *("router", "enable_tokenizer_endpoints", "trust_request_chat_template"),
     )
     explicit = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     if "served_model_name" in explicit:  # `--served-model-name a b` or `a,b`
@@ -73,6 +86,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         settings = settings_from_args(args)
     except ValidationError as e:
         raise SystemExit(f"tandem gateway: invalid settings:\n{e}") from None
+    error = bind_error(settings.host, settings.port)  # a taken port: one line, before loading
+    if error is not None:
+        raise SystemExit(f"tandem gateway: {error}")
     try:  # keys before the tokenizer loads: a misconfigured gateway stops at once
         KeyStore.from_settings(settings)
     except ValueError as e:  # key file errors name lines, never keys

@@ -4,8 +4,11 @@ Deny by default: a request reaches the app only if its exact path (no trailing-s
 variants, no prefixes) is in `ROUTES` and its method is listed there; anything else is a 404 in
 OpenAI's shape (405 for a known path with another method), whatever the app itself might route.
 So `/docs`, `/openapi.json`, `/metrics` or a route someone adds later stay unreachable until they
-are listed here. The allowlist runs before auth: unknown paths cost no hashing, and the
-surface it reveals (the OpenAI routes) is public anyway.
+are listed here. The one parameterised path, `/v1/models/{model}`, is matched by its prefix
+(`route_of`) and listed under its template. `OPTIONAL_ROUTES` (vLLM's `/tokenize`,
+`/detokenize`) are off unless the settings turn them on (`Edge.routes`). The allowlist runs
+before auth: unknown paths cost no hashing, and the surface it reveals (the OpenAI routes) is
+public anyway.
 
 Auth: exactly one `Authorization: Bearer <key>` header (several are a 400, not "the last one
 wins"); the principal is stored in `scope["state"]["principal"]` for routes
@@ -30,6 +33,7 @@ ROUTES: dict[str, frozenset[str]] = {
     "/v1/chat/completions": frozenset({"POST"}),
     "/v1/completions": frozenset({"POST"}),
     "/v1/models": frozenset({"GET"}),
+    "/v1/models/{model}": frozenset({"GET"}),
     "/health": frozenset({"GET"}),
     "/version": frozenset({"GET"}),
 }
@@ -45,8 +49,27 @@ _SEVERAL_KEYS = (
 )
 
 
+# Off by default: they reveal the tokenizer and cost CPU without generating anything.
+OPTIONAL_ROUTES: dict[str, frozenset[str]] = {
+    "/tokenize": frozenset({"POST"}),
+    "/detokenize": frozenset({"POST"}),
+}
+
+# Prefix → template for the paths that end in a parameter (a model name may hold slashes).
+_PARAM_ROUTES = {"/v1/models/": "/v1/models/{model}"}
+
+
+def route_of(path: str) -> str:
+    """The allowlist key `path` is checked under: itself, or its template."""
+    for prefix, template in _PARAM_ROUTES.items():
+        if path.startswith(prefix) and len(path) > len(prefix):
+            return template
+    return path
+
+
 def is_allowed_path(path: str) -> bool:
-    return path in ROUTES
+    """Whether the access log may print `path` (an allowlisted one, optional routes included)."""
+    return route_of(path) in ROUTES or path in OPTIONAL_ROUTES
 
 
 class EdgeMiddleware:
@@ -59,9 +82,10 @@ class EdgeMiddleware:
         public_paths: frozenset[str],
         max_body_bytes: int,
         metrics: GatewayMetrics,
+        routes: dict[str, frozenset[str]] = ROUTES,
     ):
-        assert public_paths <= ROUTES.keys(), "public paths must be allowlisted"
-        self.app, self.keys, self.anonymous = app, keys, anonymous
+        assert public_paths <= routes.keys(), "public paths must be allowlisted"
+        self.app, self.keys, self.anonymous, self.routes = app, keys, anonymous, routes
         self.public_paths, self.max_body_bytes = public_paths, max_body_bytes
         self.metrics = metrics
 
@@ -83,7 +107,7 @@ class EdgeMiddleware:
             await self._too_large().response()(scope, receive, send)
             return
         principal = self.anonymous
-        if self.keys.is_enabled and scope["path"] not in self.public_paths:
+        if self.keys.is_enabled and route_of(scope["path"]) not in self.public_paths:
             values = [v for k, v in scope["headers"] if k == b"authorization"]
             principal, error = self._authenticate(values)
             if error is not None:
@@ -100,7 +124,7 @@ class EdgeMiddleware:
         await self.app(scope, receive, send)
 
     def _check_route(self, scope: Scope) -> APIError | None:
-        methods = ROUTES.get(scope["path"])
+        methods = self.routes.get(route_of(scope["path"]))
         if methods is None:
             return APIError("Not Found", 404)
         if scope["method"] not in methods:

@@ -20,7 +20,7 @@ from gateway.logprobs import TokenTexts
 from gateway.model_info import ModelInfo, load_model_info
 from gateway.registry import InstanceRegistry
 from gateway.router import Router
-from gateway.routes import chat, completions, health, models
+from gateway.routes import chat, completions, health, models, tokenize
 from gateway.routing import build_registry, build_router
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,8 @@ def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> 
     app.state.gateway = state
     for module in (chat, completions, models, health):
         app.include_router(module.router)
+    if settings.enable_tokenizer_endpoints:
+        app.include_router(tokenize.router)
     install_handlers(app)
     state.edge.install(app)  # allowlist, auth, CORS: inside the access log
     app.add_middleware(AccessLogMiddleware)

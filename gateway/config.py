@@ -68,10 +68,26 @@ class GatewaySettings(BaseSettings):
     api_keys_file: Path | None = Field(None, validation_alias="TANDEM_API_KEYS_FILE")
     public_health: bool = True
     public_models: bool = True
+    # vLLM's POST /tokenize and /detokenize; off: they are 404 like any unlisted path.
+    enable_tokenizer_endpoints: bool = False
     # CORS is closed unless origins are listed (browsers then get no Access-Control headers).
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Bodies above this are refused with 413 before they are parsed.
     max_request_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    # --- One request never blocks the event loop (gateway/offload.py). Parsing, chat templating
+    # and tokenization run in a thread pool; these bound what one request can cost there.
+    # A chat with more messages is refused before its messages are validated (pydantic holds
+    # the GIL ~5 us per message: 4096 messages is ~20 ms of event-loop time at most).
+    max_messages: int = Field(4096, ge=1)
+    # More stop strings are refused (vLLM-style 400): each is matched against every new text.
+    max_stop_strings: int = Field(256, ge=1)
+    # Parsing + templating + tokenizing one request longer than this is a 400 (the worker thread
+    # finishes in the background; the size bounds above keep that finite).
+    tokenize_timeout_s: float = Field(30.0, gt=0)
+    preprocess_workers: int = Field(4, ge=1)
+    # vLLM's --trust-request-chat-template: without it a request's own `chat_template` (a Jinja
+    # program run by the gateway) is refused.
+    trust_request_chat_template: bool = False
     # Prometheus on its own port (None: off; 0: any free port); never on the public port.
     metrics_port: int | None = Field(None, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"

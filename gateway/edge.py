@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
-from gateway.allowlist import EdgeMiddleware
+from gateway.allowlist import OPTIONAL_ROUTES, ROUTES, EdgeMiddleware
 from gateway.auth import KeyStore, Principal, anonymous
 from gateway.config import GatewaySettings
 from gateway.metrics import GatewayMetrics
@@ -50,8 +50,14 @@ class Edge:
         if self.settings.public_health:
             paths.add("/health")
         if self.settings.public_models:
-            paths.add("/v1/models")
+            paths.update(("/v1/models", "/v1/models/{model}"))
         return frozenset(paths)
+
+    def routes(self) -> dict[str, frozenset[str]]:
+        """The allowlist: the OpenAI routes, plus the tokenizer ones when turned on."""
+        if self.settings.enable_tokenizer_endpoints:
+            return {**ROUTES, **OPTIONAL_ROUTES}
+        return ROUTES
 
     def install(self, app: FastAPI) -> None:
         """Add the edge middlewares (call before adding the access log, which wraps them)."""
@@ -62,6 +68,7 @@ class Edge:
             public_paths=self.public_paths(),
             max_body_bytes=self.settings.max_request_body_bytes,
             metrics=self.metrics,
+            routes=self.routes(),
         )
         if self.settings.cors_origins:
             app.add_middleware(

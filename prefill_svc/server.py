@@ -233,7 +233,12 @@ def build_parser():
         default=30.0,
         help="no KV write is issued after this long since the request arrived",
     )
-    parser.add_argument("--transfer-timeout-s", type=float, default=30.0)
+    parser.add_argument(
+        "--transfer-timeout-s",
+        type=float,
+        default=30.0,
+        help="how long a request's KV writes may stay in flight before they are abandoned",
+    )
     return parser
 
 

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.internal_auth import ENV_TOKEN
+from engine.ports import bind_error
 from engine.registry import REDIS_URL_ENV, resolve_redis_url
 from tandem.supervisor import GiveUpError, Supervisor
 
@@ -126,33 +127,55 @@ def _on_port(argv: list[str], address: str) -> list[str]:
     return [*argv, "--port", address.rsplit(":", 1)[1]]
 
 
-def serve_main(argv: list[str] | None = None) -> int:
-    from engine.serving import add_engine_args
+# `tandem serve`'s own flags (not passed on to the services): default and help.
+SERVE_ONLY: dict[str, tuple[object, str]] = {
+    "--host": ("127.0.0.1", "gateway bind address"),
+    "--port": (8000, "gateway HTTP port (0: any free port)"),
+    "--num-prefill": (1, "prefill services (0: the decodes prefill locally)"),
+    "--num-decode": (1, "decode services (at least 1)"),
+    "--served-model-name": (None, "name clients put in `model` (None: MODEL as given)"),
+    "--redis-url": (
+        None,
+        f"quotas, registry and block index in Redis; no password here (use ${REDIS_URL_ENV})",
+    ),
+}
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser("tandem serve", description=__doc__.splitlines()[0])
+
+def build_parser() -> argparse.ArgumentParser:
+    from engine.serving import HelpFormatter, add_engine_args
+
+    parser = argparse.ArgumentParser(
+        "tandem serve", description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    )
     add_engine_args(parser)  # validated here, passed on to every service as given
-    serve_only = {
-        "--host": "127.0.0.1",
-        "--port": 8000,
-        "--num-prefill": 1,
-        "--num-decode": 1,
-        "--served-model-name": None,
-        "--redis-url": None,
-    }
-    for flag, default in serve_only.items():
-        parser.add_argument(
-            flag, type=type(default) if default is not None else str, default=default
-        )
-    parser.add_argument("--kv-backend", default="ucx", choices=["ucx", "inproc"])
+    for flag, (default, help_text) in SERVE_ONLY.items():
+        kind = type(default) if default is not None else str
+        parser.add_argument(flag, type=kind, default=default, help=help_text)
+    parser.add_argument(
+        "--kv-backend",
+        default="ucx",
+        choices=["ucx", "inproc"],
+        help="KV transfer backend of the services (inproc: tests only)",
+    )
+    return parser
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
     args = parser.parse_args(argv)
-    engine_args = _without(argv, serve_only)
+    engine_args = _without(argv, SERVE_ONLY)
     if args.num_decode < 1 or args.num_prefill < 0:
         parser.error("need --num-decode >= 1 and --num-prefill >= 0")
     try:
         redis_url = resolve_redis_url(args.redis_url)
     except ValueError as e:
         parser.error(str(e))
+    # Before any model loads: a taken port is one line now, not a traceback in a minute.
+    error = bind_error(args.host, args.port)
+    if error is not None:
+        print(f"tandem serve: {error}", file=sys.stderr)
+        return 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     # Internal gRPC traffic is authenticated with a per-launch secret, passed by environment.
     os.environ.setdefault(ENV_TOKEN, secrets.token_hex(32))

@@ -29,7 +29,8 @@ NOT_ALLOWED = [
     "//health",
     "/v1/models/",
     "/V1/models",
-    f"/v1/models/{SERVED_NAME}",
+    "/tokenize",  # vLLM's tokenizer routes: off unless enable_tokenizer_endpoints
+    "/detokenize",
     "/v1/chat/completions/",
     "/v1/Chat/Completions",
     "/v1",

@@ -1,0 +1,59 @@
+"""A taken port is one line on stderr, before anything loads (`tandem serve`, `tandem gateway`)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from engine.ports import bind_error
+from gateway.__main__ import main as gateway_main
+from tandem.launcher import serve_main
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_bind_error(taken_port):
+    assert bind_error("127.0.0.1", 0) is None
+    error = bind_error("127.0.0.1", taken_port)
+    assert error is not None and f"port {taken_port}" in error and "in use" in error
+    assert "\n" not in error
+
+
+def test_serve_refuses_a_taken_port_before_starting_anything(taken_port, capsys, monkeypatch):
+    monkeypatch.delenv("TANDEM_REDIS_URL", raising=False)
+    monkeypatch.delenv("TANDEM_REDIS_URL_FILE", raising=False)
+    assert serve_main(["--port", str(taken_port)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"port {taken_port}" in err, err
+
+
+def test_gateway_refuses_a_taken_port_before_loading(taken_port):
+    argv = ["--model", "not-loaded", "--decode", "h:1", "--insecure-internal"]
+    with pytest.raises(SystemExit) as e:
+        gateway_main([*argv, "--port", str(taken_port)])
+    assert f"port {taken_port}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_serve_process_exits_in_one_line(taken_port):
+    start_s = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "serve", "--port", str(taken_port)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    elapsed_s = time.monotonic() - start_s
+    assert proc.returncode == 1
+    assert proc.stderr.strip().count("\n") == 0 and f"port {taken_port}" in proc.stderr
+    assert elapsed_s < 30, elapsed_s  # no model load (it took ~30 s before failing)
