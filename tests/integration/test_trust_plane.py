@@ -24,8 +24,8 @@ from engine import LLM, SamplingParams
 from engine.internal_auth import add_port, server_interceptors
 from engine.record_auth import RecordAuth
 from engine.registry import InstanceRecord, new_epoch
-from kv_transfer import Agent, ucp_ctypes
-from kv_transfer.ucx_request import _MAGIC, _NOTIF_TAG
+from kv_transfer import Agent
+from kv_transfer.ucx_request import _MAGIC
 from protos import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
 from tests.integration.services import (
     collect,
@@ -36,6 +36,7 @@ from tests.integration.services import (
     start_services,
     wait_idle,
 )
+from tests.kv_transfer.test_hostile_messages import send_raw
 from tests.redis_server import redis_server  # noqa: F401  (the fixture)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -126,17 +127,6 @@ def test_registered_decode_gives_kv_metadata_only_to_verified_prefills(
         cluster.stop()
 
 
-def _send_raw(agent: Agent, remote: str, payload: bytes) -> None:
-    ep = agent._backend._peers[remote].ep
-    req = ucp_ctypes.tag_send(ep, payload, _NOTIF_TAG)
-    deadline = time.monotonic() + 5
-    while req is not None and ucp_ctypes.request_status(req) == ucp_ctypes.UCS_INPROGRESS:
-        assert time.monotonic() < deadline
-        agent.progress()
-    if req is not None:
-        ucp_ctypes.request_free(req)
-
-
 def test_malformed_ucx_message_leaves_the_decode_serving(tiny_qwen3_path, expected):
     cluster, _, (d,) = start_services(tiny_qwen3_path, 0, 1)
 
@@ -152,7 +142,7 @@ def test_malformed_ucx_message_leaves_the_decode_serving(tiny_qwen3_path, expect
                 name = attacker.add_remote_agent(fake.calls[0].target.agent_metadata)
                 hostile = _MAGIC + (5).to_bytes(2, "little") + b"\xff\xfe\xfd\xfc\xfb"
                 for i in range(3):
-                    _send_raw(attacker, name, hostile)
+                    send_raw(attacker, name, hostile)
                     tokens, _, error = await collect(
                         stub, generate_request(f"m{i + 1}", PROMPT, GREEDY)
                     )

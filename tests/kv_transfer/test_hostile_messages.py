@@ -29,16 +29,24 @@ def two_agents():
         target.close()
 
 
-def _send_raw(sender: Agent, target: Agent, payload: bytes, tag: int = _NOTIF_TAG) -> None:
-    ep = sender._backend._peers[target.name].ep  # the raw endpoint: bypass the encoder
+def send_raw(
+    sender: Agent, remote: str, payload: bytes, tag: int = _NOTIF_TAG, also=lambda: None
+) -> None:
+    """Tag-send `payload` as is to the peer `remote` (bypassing the notification encoder), as
+    any process holding the peer's worker address can; progress `also` (an in-process peer)."""
+    ep = sender._backend._peers[remote].ep
     req = ucp_ctypes.tag_send(ep, payload, tag)
     deadline = time.monotonic() + 5.0
     while req is not None and ucp_ctypes.request_status(req) == ucp_ctypes.UCS_INPROGRESS:
         assert time.monotonic() < deadline, "raw send did not complete"
         sender.progress()
-        target.progress()
+        also()
     if req is not None:
         ucp_ctypes.request_free(req)
+
+
+def _send_raw(sender: Agent, target: Agent, payload: bytes, tag: int = _NOTIF_TAG) -> None:
+    send_raw(sender, target.name, payload, tag, also=target.progress)
 
 
 def _drain_until(target: Agent, num_rejected: int, want: bytes | None = None) -> list:
