@@ -83,8 +83,9 @@ class RemotePrefill:
         self.lease_s = lease_s
         self.counters = counters
         # Exported as metrics (not part of GetLoad's reply, which `counters` feeds).
-        self.stats = {"num_rejected_prefill_targets": 0, "num_prefill_timeouts": 0}
-        self.stats["num_fenced_transfers"] = 0
+        self.stats = dict.fromkeys(
+            ("num_rejected_prefill_targets", "num_prefill_timeouts", "num_fenced_transfers"), 0
+        )
         self.require_registration = require_registration
         if not 0 < max_tenant_kv_fraction <= 1:
             raise ValueError(

@@ -20,7 +20,6 @@ import time
 import grpc
 import pytest
 
-from engine import LLM, SamplingParams
 from engine.internal_auth import add_port, server_interceptors
 from engine.record_auth import RecordAuth
 from engine.registry import InstanceRecord, new_epoch
@@ -36,11 +35,9 @@ from tests.integration.services import (
     start_services,
     wait_idle,
 )
+from tests.integration.test_faults import GREEDY, PROMPT, expected  # noqa: F401  (fixture)
 from tests.kv_transfer.test_hostile_messages import send_raw
 from tests.redis_server import redis_server  # noqa: F401  (the fixture)
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-PROMPT = list(range(40, 90))
 
 
 class FakePrefill(prefill_pb2_grpc.PrefillServicer):
@@ -72,16 +69,10 @@ def _registration(auth: RecordAuth, address: str, role: str = "prefill") -> byte
     return record.seal(auth)
 
 
-@pytest.fixture(scope="module")
-def expected(tiny_qwen3_path):
-    llm = LLM(str(tiny_qwen3_path), max_model_len=256, num_gpu_blocks_override=64)
-    return llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
-
-
 def test_registered_decode_gives_kv_metadata_only_to_verified_prefills(
     tiny_qwen3_path,
     redis_server,  # noqa: F811
-    expected,
+    expected,  # noqa: F811
 ):
     cluster, _, (d,) = start_services(
         tiny_qwen3_path, 0, 1, extra_decode=["--redis-url", redis_server.url]
@@ -127,7 +118,7 @@ def test_registered_decode_gives_kv_metadata_only_to_verified_prefills(
         cluster.stop()
 
 
-def test_malformed_ucx_message_leaves_the_decode_serving(tiny_qwen3_path, expected):
+def test_malformed_ucx_message_leaves_the_decode_serving(tiny_qwen3_path, expected):  # noqa: F811
     cluster, _, (d,) = start_services(tiny_qwen3_path, 0, 1)
 
     async def run():
@@ -170,7 +161,7 @@ def stoppable(tiny_qwen3_path):
     cluster.stop()
 
 
-def test_stopped_prefill_costs_a_bounded_ttft_and_stays_fenced(stoppable, expected):
+def test_stopped_prefill_costs_a_bounded_ttft_and_stays_fenced(stoppable, expected):  # noqa: F811
     (p1, p2), d = stoppable
 
     async def run():
