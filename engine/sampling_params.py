@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
@@ -29,6 +29,55 @@ GENERATION_CONFIG_KEYS: dict[str, str] = {
     "min_p": "min_p",
     "max_new_tokens": "max_tokens",
 }
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output, as vLLM's `StructuredOutputsParams`: exactly one of `json`
+    (a JSON schema, as a dict or its serialized string), `regex`, `choice`, `grammar` (EBNF),
+    `json_object` (any JSON object) or `structural_tag` (serialized).
+
+    `reasoning_start_token_id` / `reasoning_end_token_id` are set by the serving layer's
+    reasoning parser: the constraint then applies only after the reasoning has ended, as in vLLM.
+    """
+
+    KINDS: ClassVar[tuple[str, ...]] = (
+        "json",
+        "regex",
+        "choice",
+        "grammar",
+        "json_object",
+        "structural_tag",
+    )
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    reasoning_start_token_id: int | None = None
+    reasoning_end_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in self.KINDS if getattr(self, k) is not None]
+        if len(kinds) > 1:
+            raise ValueError(
+                "You can only use one kind of structured outputs constraint but multiple are "
+                f"specified: {self.__dict__}"
+            )
+        if not kinds:
+            raise ValueError(
+                "You must use one kind of structured outputs constraint but none are specified: "
+                f"{self.__dict__}"
+            )
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured_outputs.choice must list at least one choice.")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) is not None)
 
 
 class SamplingType(enum.IntEnum):
@@ -65,6 +114,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token id -> value added to its logit before sampling (vLLM applies it before penalties).
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Normalize first (vLLM does the same), so validation and consumers see one shape.

@@ -25,8 +25,13 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.kv_events import EventBatch, KVEventSource, LoadSnapshot
+from engine.params_proto import (  # noqa: F401  (re-exported for the services)
+    logprobs_from_proto,
+    logprobs_to_proto,
+    sampling_params_from_proto,
+    sampling_params_to_proto,
+)
 from engine.registry import InstanceRecord, RedisPublisher, new_epoch
-from engine.sampling_params import SamplingParams
 from protos import common_pb2
 
 logger = logging.getLogger(__name__)
@@ -143,51 +148,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 # ---- protos <-> engine ---------------------------------------------------------------------
-def sampling_params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
-    """Raises ValueError (vLLM's messages) for invalid values."""
-    return SamplingParams(
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty,
-        seed=p.seed if p.HasField("seed") else None,
-        max_tokens=p.max_tokens,
-        min_tokens=p.min_tokens,
-        stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs if p.HasField("logprobs") else None,
-    )
-
-
-def sampling_params_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(
-        temperature=sp.temperature,
-        top_p=sp.top_p,
-        top_k=max(sp.top_k, 0),
-        min_p=sp.min_p,
-        presence_penalty=sp.presence_penalty,
-        frequency_penalty=sp.frequency_penalty,
-        repetition_penalty=sp.repetition_penalty,
-        seed=sp.seed,
-        max_tokens=sp.max_tokens or 0,
-        min_tokens=sp.min_tokens,
-        stop_token_ids=list(sp.stop_token_ids or []),
-        ignore_eos=sp.ignore_eos,
-        logprobs=sp.logprobs,
-    )
-
-
-def logprobs_to_proto(lp: dict[int, float]) -> common_pb2.TokenLogprobs:
-    return common_pb2.TokenLogprobs(token_ids=list(lp), logprobs=list(lp.values()))
-
-
-def logprobs_from_proto(p: common_pb2.TokenLogprobs) -> dict[int, float]:
-    return dict(zip(p.token_ids, p.logprobs))
-
-
 def check_prompt(token_ids, max_model_len: int, vocab_size: int) -> list[int]:
     """Validate a token list from the wire; raises ValueError with the limit."""
     if len(token_ids) > MAX_PROMPT_TOKENS_HARD_CAP:

@@ -25,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.output_processor import OutputProcessor, RequestState
 from engine.outputs import EngineCoreOutput
+from engine.params_proto import sampling_params_to_proto
 from gateway.clients import DecodeClients
 from gateway.errors import (
     DECODE_BUSY_MID_STREAM,
@@ -33,7 +34,7 @@ from gateway.errors import (
     APIError,
     hidden_failure,
 )
-from gateway.preprocess import ChildJob, to_proto
+from gateway.preprocess import ChildJob
 from gateway.registry import Instance
 from gateway.router import Outcome, Router
 from protos import common_pb2, decode_pb2
@@ -188,7 +189,7 @@ class Dispatcher:
                 request_id=child_id,
                 transfer_id=uuid.uuid4().hex,  # one per attempt: each D owns its own blocks
                 prompt_token_ids=job.prompt_token_ids,
-                params=to_proto(job.params),
+                params=sampling_params_to_proto(job.params),
                 cache_salt=opts.cache_salt,
                 priority=opts.priority,
                 prefill=[

@@ -17,7 +17,6 @@ from gateway.auth import Principal, TenantLimits
 from gateway.errors import APIError, bad_request, model_not_found
 from gateway.model_info import ModelInfo
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from protos import common_pb2
 
 
 @dataclass(frozen=True)
@@ -277,23 +276,3 @@ def make_jobs(
         for i in range(params.n):
             jobs.append(ChildJob(p * params.n + i, ids, params.child_params(i)))
     return jobs
-
-
-def to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    """Token-level fields only; stop strings stay at the gateway."""
-    assert params.max_tokens is not None, "the gateway resolves max_tokens before sending"
-    return common_pb2.SamplingParams(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty,
-        seed=params.seed,
-        max_tokens=params.max_tokens,
-        min_tokens=params.min_tokens,
-        stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs,
-    )

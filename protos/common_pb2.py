@@ -24,41 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x63ommon.proto\x12\ttandem.v1\"\xb7\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"4\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x84\x02\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x04 \x01(\x03\x12\x15\n\rlocal_prefill\x18\x05 \x01(\x08\x12\x18\n\x10prefill_instance\x18\x06 \x01(\t\x12\x16\n\x0eremote_setup_s\x18\x07 \x01(\x01\x12\x14\n\x0cremote_rpc_s\x18\x08 \x01(\x01\x12\x18\n\x10remote_compute_s\x18\t \x01(\x01\x12\x17\n\x0fremote_server_s\x18\n \x01(\x01\x12\x11\n\tkv_wait_s\x18\x0b \x01(\x01\"v\n\x08KVTarget\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\x05\x12\x16\n\x0etransfer_token\x18\x05 \x01(\t\"\xb4\x01\n\x05\x45rror\x12#\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x15.tandem.v1.Error.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"u\n\x04\x43ode\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x14\n\x10INVALID_ARGUMENT\x10\x01\x12\x16\n\x12RESOURCE_EXHAUSTED\x10\x02\x12\x12\n\x0ePREFILL_FAILED\x10\x03\x12\x11\n\rDECODE_FAILED\x10\x04\x12\x0b\n\x07\x41\x42ORTED\x10\x05\"7\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xaa\x04\n\x0cLoadResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x03\x12\x19\n\x11kv_transfer_bytes\x18\t \x01(\x03\x12\x12\n\nkv_backend\x18\n \x01(\t\x12\x12\n\nblock_size\x18\x0b \x01(\x05\x12\x15\n\rmax_model_len\x18\x0c \x01(\x05\x12\x1c\n\x14num_idle_free_blocks\x18\r \x01(\x05\x12\x1a\n\x12num_requests_total\x18\x0e \x01(\x03\x12\x1a\n\x12num_local_prefills\x18\x0f \x01(\x03\x12\x1b\n\x13num_remote_prefills\x18\x10 \x01(\x03\x12\r\n\x05\x65poch\x18\x11 \x01(\t\x12\"\n\x1anum_pending_prefill_tokens\x18\x12 \x01(\x03\x12\x1c\n\x14prefill_tokens_per_s\x18\x13 \x01(\x01\x12\x1a\n\x12kv_bytes_per_block\x18\x14 \x01(\x03\x12\x1e\n\x16max_num_batched_tokens\x18\x15 \x01(\x05\"t\n\x07KVEvent\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.tandem.v1.KVEvent.Kind\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\",\n\x04Kind\x12\n\n\x06STORED\x10\x00\x12\x0b\n\x07REMOVED\x10\x01\x12\x0b\n\x07\x43LEARED\x10\x02\"\x16\n\x14WatchKVEventsRequest\"\x8c\x01\n\x0cKVEventBatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\"\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x12.tandem.v1.KVEvent\x12%\n\x04load\x18\x05 \x01(\x0b\x32\x17.tandem.v1.LoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x63ommon.proto\x12\ttandem.v1\"\x93\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x01\x88\x01\x01\x12<\n\nlogit_bias\x18\x0e \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x02\x88\x01\x01\x12\x38\n\x12structured_outputs\x18\x10 \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xcd\x02\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x15.tandem.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x07 \x01(\x08\x12%\n\x18reasoning_start_token_id\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12#\n\x16reasoning_end_token_id\x18\t \x01(\x05H\x02\x88\x01\x01\x42\x06\n\x04kindB\x1b\n\x19_reasoning_start_token_idB\x19\n\x17_reasoning_end_token_id\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"4\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x84\x02\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x04 \x01(\x03\x12\x15\n\rlocal_prefill\x18\x05 \x01(\x08\x12\x18\n\x10prefill_instance\x18\x06 \x01(\t\x12\x16\n\x0eremote_setup_s\x18\x07 \x01(\x01\x12\x14\n\x0cremote_rpc_s\x18\x08 \x01(\x01\x12\x18\n\x10remote_compute_s\x18\t \x01(\x01\x12\x17\n\x0fremote_server_s\x18\n \x01(\x01\x12\x11\n\tkv_wait_s\x18\x0b \x01(\x01\"v\n\x08KVTarget\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\x05\x12\x16\n\x0etransfer_token\x18\x05 \x01(\t\"\xb4\x01\n\x05\x45rror\x12#\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x15.tandem.v1.Error.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"u\n\x04\x43ode\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x14\n\x10INVALID_ARGUMENT\x10\x01\x12\x16\n\x12RESOURCE_EXHAUSTED\x10\x02\x12\x12\n\x0ePREFILL_FAILED\x10\x03\x12\x11\n\rDECODE_FAILED\x10\x04\x12\x0b\n\x07\x41\x42ORTED\x10\x05\"7\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xaa\x04\n\x0cLoadResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x03\x12\x19\n\x11kv_transfer_bytes\x18\t \x01(\x03\x12\x12\n\nkv_backend\x18\n \x01(\t\x12\x12\n\nblock_size\x18\x0b \x01(\x05\x12\x15\n\rmax_model_len\x18\x0c \x01(\x05\x12\x1c\n\x14num_idle_free_blocks\x18\r \x01(\x05\x12\x1a\n\x12num_requests_total\x18\x0e \x01(\x03\x12\x1a\n\x12num_local_prefills\x18\x0f \x01(\x03\x12\x1b\n\x13num_remote_prefills\x18\x10 \x01(\x03\x12\r\n\x05\x65poch\x18\x11 \x01(\t\x12\"\n\x1anum_pending_prefill_tokens\x18\x12 \x01(\x03\x12\x1c\n\x14prefill_tokens_per_s\x18\x13 \x01(\x01\x12\x1a\n\x12kv_bytes_per_block\x18\x14 \x01(\x03\x12\x1e\n\x16max_num_batched_tokens\x18\x15 \x01(\x05\"t\n\x07KVEvent\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.tandem.v1.KVEvent.Kind\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\",\n\x04Kind\x12\n\n\x06STORED\x10\x00\x12\x0b\n\x07REMOVED\x10\x01\x12\x0b\n\x07\x43LEARED\x10\x02\"\x16\n\x14WatchKVEventsRequest\"\x8c\x01\n\x0cKVEventBatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\"\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x12.tandem.v1.KVEvent\x12%\n\x04load\x18\x05 \x01(\x0b\x32\x17.tandem.v1.LoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=28
-  _globals['_SAMPLINGPARAMS']._serialized_end=339
-  _globals['_TOKENLOGPROBS']._serialized_start=341
-  _globals['_TOKENLOGPROBS']._serialized_end=393
-  _globals['_USAGE']._serialized_start=395
-  _globals['_USAGE']._serialized_end=475
-  _globals['_TIMINGS']._serialized_start=478
-  _globals['_TIMINGS']._serialized_end=738
-  _globals['_KVTARGET']._serialized_start=740
-  _globals['_KVTARGET']._serialized_end=858
-  _globals['_ERROR']._serialized_start=861
-  _globals['_ERROR']._serialized_end=1041
-  _globals['_ERROR_CODE']._serialized_start=924
-  _globals['_ERROR_CODE']._serialized_end=1041
-  _globals['_ABORTREQUEST']._serialized_start=1043
-  _globals['_ABORTREQUEST']._serialized_end=1098
-  _globals['_ABORTRESPONSE']._serialized_start=1100
-  _globals['_ABORTRESPONSE']._serialized_end=1130
-  _globals['_LOADREQUEST']._serialized_start=1132
-  _globals['_LOADREQUEST']._serialized_end=1145
-  _globals['_LOADRESPONSE']._serialized_start=1148
-  _globals['_LOADRESPONSE']._serialized_end=1702
-  _globals['_KVEVENT']._serialized_start=1704
-  _globals['_KVEVENT']._serialized_end=1820
-  _globals['_KVEVENT_KIND']._serialized_start=1776
-  _globals['_KVEVENT_KIND']._serialized_end=1820
-  _globals['_WATCHKVEVENTSREQUEST']._serialized_start=1822
-  _globals['_WATCHKVEVENTSREQUEST']._serialized_end=1844
-  _globals['_KVEVENTBATCH']._serialized_start=1847
-  _globals['_KVEVENTBATCH']._serialized_end=1987
+  _globals['_SAMPLINGPARAMS']._serialized_end=559
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=469
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=517
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=562
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=895
+  _globals['_CHOICELIST']._serialized_start=897
+  _globals['_CHOICELIST']._serialized_end=926
+  _globals['_TOKENLOGPROBS']._serialized_start=928
+  _globals['_TOKENLOGPROBS']._serialized_end=980
+  _globals['_USAGE']._serialized_start=982
+  _globals['_USAGE']._serialized_end=1062
+  _globals['_TIMINGS']._serialized_start=1065
+  _globals['_TIMINGS']._serialized_end=1325
+  _globals['_KVTARGET']._serialized_start=1327
+  _globals['_KVTARGET']._serialized_end=1445
+  _globals['_ERROR']._serialized_start=1448
+  _globals['_ERROR']._serialized_end=1628
+  _globals['_ERROR_CODE']._serialized_start=1511
+  _globals['_ERROR_CODE']._serialized_end=1628
+  _globals['_ABORTREQUEST']._serialized_start=1630
+  _globals['_ABORTREQUEST']._serialized_end=1685
+  _globals['_ABORTRESPONSE']._serialized_start=1687
+  _globals['_ABORTRESPONSE']._serialized_end=1717
+  _globals['_LOADREQUEST']._serialized_start=1719
+  _globals['_LOADREQUEST']._serialized_end=1732
+  _globals['_LOADRESPONSE']._serialized_start=1735
+  _globals['_LOADRESPONSE']._serialized_end=2289
+  _globals['_KVEVENT']._serialized_start=2291
+  _globals['_KVEVENT']._serialized_end=2407
+  _globals['_KVEVENT_KIND']._serialized_start=2363
+  _globals['_KVEVENT_KIND']._serialized_end=2407
+  _globals['_WATCHKVEVENTSREQUEST']._serialized_start=2409
+  _globals['_WATCHKVEVENTSREQUEST']._serialized_end=2431
+  _globals['_KVEVENTBATCH']._serialized_start=2434
+  _globals['_KVEVENTBATCH']._serialized_end=2574
 # @@protoc_insertion_point(module_scope)

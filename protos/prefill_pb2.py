@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rprefill.proto\x12\ttandem.v1\x1a\x0c\x63ommon.proto\"\xb7\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12#\n\x06target\x18\x06 \x01(\x0b\x32\x13.tandem.v1.KVTarget\"\xe6\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x19\n\x11kv_transfer_bytes\x18\x04 \x01(\x03\x12\x15\n\rkv_transfer_s\x18\x05 \x01(\x01\x12\x17\n\x0fnum_descriptors\x18\x06 \x01(\x05\x12\x11\n\tcompute_s\x18\x07 \x01(\x01\x12\x10\n\x08server_s\x18\x08 \x01(\x01\x32\x90\x02\n\x07Prefill\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12:\n\x07GetLoad\x12\x16.tandem.v1.LoadRequest\x1a\x17.tandem.v1.LoadResponse\x12K\n\rWatchKVEvents\x12\x1f.tandem.v1.WatchKVEventsRequest\x1a\x17.tandem.v1.KVEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rprefill.proto\x12\ttandem.v1\x1a\x0c\x63ommon.proto\"\xb7\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12#\n\x06target\x18\x06 \x01(\x0b\x32\x13.tandem.v1.KVTarget\"\x99\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x19\n\x11kv_transfer_bytes\x18\x04 \x01(\x03\x12\x15\n\rkv_transfer_s\x18\x05 \x01(\x01\x12\x17\n\x0fnum_descriptors\x18\x06 \x01(\x05\x12\x11\n\tcompute_s\x18\x07 \x01(\x01\x12\x10\n\x08server_s\x18\x08 \x01(\x01\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs2\x90\x02\n\x07Prefill\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12:\n\x07GetLoad\x12\x16.tandem.v1.LoadRequest\x1a\x17.tandem.v1.LoadResponse\x12K\n\rWatchKVEvents\x12\x1f.tandem.v1.WatchKVEventsRequest\x1a\x17.tandem.v1.KVEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=43
   _globals['_PREFILLREQUEST']._serialized_end=226
   _globals['_PREFILLRESPONSE']._serialized_start=229
-  _globals['_PREFILLRESPONSE']._serialized_end=459
-  _globals['_PREFILL']._serialized_start=462
-  _globals['_PREFILL']._serialized_end=734
+  _globals['_PREFILLRESPONSE']._serialized_end=510
+  _globals['_PREFILL']._serialized_start=513
+  _globals['_PREFILL']._serialized_end=785
 # @@protoc_insertion_point(module_scope)
