@@ -8,8 +8,9 @@ an n=1 request with `SamplingParams.child_params(i)`, so every child is routed i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
@@ -224,7 +225,10 @@ def build_params(
     max_tokens: int | None,
     num_logprobs: int | None,
     max_logprobs: int,
+    extra: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
+    """`extra`: SamplingParams fields the route resolved itself (structured outputs, logit
+    bias, prompt logprobs), passed through as given."""
     if num_logprobs is not None and num_logprobs > max_logprobs:
         raise bad_request(
             f"Requested sample logprobs of {num_logprobs}, which is greater than max allowed: "
@@ -252,6 +256,7 @@ def build_params(
     )
     # Unset (None) fields fall back to generation_config.json, then to SamplingParams' defaults.
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    overrides.update(extra or {})
     try:
         return SamplingParams.from_generation_config(info.generation_config, **overrides)
     except (ValueError, TypeError) as e:
@@ -265,14 +270,16 @@ def make_jobs(
     num_logprobs: int | None,
     max_logprobs: int,
     max_tokens_cap: int = 0,
+    extra: Mapping[str, Any] | None = None,
 ) -> list[ChildJob]:
-    """`max_tokens_cap` (0: none) also bounds the default when the client gives no max_tokens."""
+    """`max_tokens_cap` (0: none) also bounds the default when the client gives no max_tokens;
+    `extra` as for `build_params`."""
     jobs = []
     for p, ids in enumerate(prompts):
         max_tokens = resolve_max_tokens(info, len(ids), req.requested_max_tokens())
         if max_tokens_cap and max_tokens is not None:
             max_tokens = min(max_tokens, max_tokens_cap)
-        params = build_params(info, req, max_tokens, num_logprobs, max_logprobs)
+        params = build_params(info, req, max_tokens, num_logprobs, max_logprobs, extra)
         for i in range(params.n):
             jobs.append(ChildJob(p * params.n + i, ids, params.child_params(i)))
     return jobs
