@@ -11,8 +11,10 @@ import asyncio
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from engine.engine_core import EngineCore
 from engine.metrics import start_metrics_server
 from engine.registry import add_registry_args, resolve_redis_url
 from engine.serving import (
+    Health,
     HelpFormatter,
     KVPublishing,
     add_engine_args,
@@ -81,6 +84,13 @@ def service_parser(role: str) -> argparse.ArgumentParser:
         help="Prometheus /metrics on this port (0: any free one); off if unset",
     )
     parser.add_argument("--metrics-host", default="127.0.0.1", help="Prometheus bind address")
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=60.0,
+        help="on SIGTERM: seconds to finish held work (streams, prefills, transfers) before "
+        "cancelling it; size terminationGracePeriodSeconds above it",
+    )
     parser.add_argument(
         "--kv-interface",
         default=os.environ.get(ENV_KV_INTERFACE) or None,
@@ -152,7 +162,8 @@ async def run_service(
     servicer = make_servicer(ctx)
     server = grpc.aio.server(interceptors=internal_auth.server_interceptors())
     add_servicer(servicer, server)
-    health_task = await serve_health(server, service_name, engine)
+    health = await serve_health(server, service_name, engine)
+    drain = _drain_on_signals()
     port = internal_auth.add_port(server, f"{args.host}:{args.port}")
     await server.start()
     if args.redis_url:
@@ -173,16 +184,36 @@ async def run_service(
     )
     print(f"READY {role} {args.host}:{port}", flush=True)
     try:
-        if await _serve_until_engine_dies(server, engine):
-            await _die(server, engine, health_task, kv)
+        outcome = await _serve_until(server, engine, drain)
+        if outcome == "died":
+            await _die(server, engine, health.task, kv)
+        elif outcome == "drain":
+            await _drain(server, health, kv, args.drain_timeout_s)
     finally:
-        health_task.cancel()
+        health.task.cancel()
         kv.stop()
         engine.shutdown()
 
 
-async def _serve_until_engine_dies(server: grpc.aio.Server, engine: AsyncEngine) -> bool:
-    """Serve until the server terminates (False) or the engine loop dies (True)."""
+def _drain_on_signals() -> asyncio.Event:
+    """SIGTERM / SIGINT start a drain; a second one kills the process (default action)."""
+    loop = asyncio.get_running_loop()
+    drain = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        logger.info("%s: draining; send it again to stop at once", signal.Signals(signum).name)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        drain.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    return drain
+
+
+async def _serve_until(server: grpc.aio.Server, engine: AsyncEngine, drain: asyncio.Event) -> str:
+    """Serve until the server terminates ("terminated"), the engine loop dies ("died") or a
+    signal asks for a drain ("drain")."""
     loop = asyncio.get_running_loop()
     died = asyncio.Event()
     engine.on_death.append(lambda exc: loop.call_soon_threadsafe(died.set))
@@ -191,12 +222,28 @@ async def _serve_until_engine_dies(server: grpc.aio.Server, engine: AsyncEngine)
     # Not cancelled: that would cancel the server's own shutdown future, and `server.stop`
     # would then raise CancelledError. It ends with the server.
     terminated = asyncio.ensure_future(server.wait_for_termination())
-    death = asyncio.ensure_future(died.wait())
+    waits = [asyncio.ensure_future(died.wait()), asyncio.ensure_future(drain.wait())]
     try:
-        await asyncio.wait([terminated, death], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([terminated, *waits], return_when=asyncio.FIRST_COMPLETED)
     finally:
-        death.cancel()
-    return died.is_set()
+        for w in waits:
+            w.cancel()
+    if died.is_set():
+        return "died"
+    return "drain" if drain.is_set() else "terminated"
+
+
+async def _drain(server: grpc.aio.Server, health: Health, kv: KVPublishing, grace_s: float) -> None:
+    """Scale-in / rolling restart: turn unready (readiness probes and routers stop sending),
+    leave the Redis pool, refuse new RPCs (UNAVAILABLE: the gateway and decodes try another
+    instance), and let the ones in flight finish (D: its streams; P: its prefills and their
+    KV writes) for up to `grace_s`, then return so that the process exits 0."""
+    started = time.monotonic()
+    await health.drain()
+    await asyncio.to_thread(kv.stop)
+    kv.close_streams()
+    await server.stop(grace_s)
+    logger.info("drained in %.1f s; exiting", time.monotonic() - started)
 
 
 async def _die(

@@ -12,8 +12,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
-import signal
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
@@ -207,6 +205,8 @@ class KVPublishing:
         self.source = KVEventSource(core, measure_prefill=role == "prefill")
         engine.hooks.append(self.source.poll)
         self.publisher: RedisPublisher | None = None
+        self._streams: set[asyncio.Queue] = set()  # open WatchKVEvents streams
+        self._is_closing = False
 
     def load_fields(self) -> dict:
         """`LoadResponse` fields only this object knows (for `GetLoad`)."""
@@ -236,24 +236,26 @@ class KVPublishing:
         self.publisher.start()
         if not await asyncio.to_thread(self.publisher.wait_registered, 3.0):
             logger.warning("not registered in Redis at %s yet; serving anyway", url)
-        # SIGTERM (scale-in) leaves the pool at once instead of after the TTL, then dies as
-        # before (no graceful drain here).
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._deregister_and_die)
-
-    def _deregister_and_die(self) -> None:
-        self.stop()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
 
     def stop(self) -> None:
+        """Leave the Redis pool at once (not after the TTL)."""
         if self.publisher is not None:
             self.publisher.stop()
             self.publisher = None
 
+    def close_streams(self) -> None:
+        """End every `WatchKVEvents` stream (a draining server waits for open RPCs)."""
+        self._is_closing = True
+        for q in self._streams:
+            q.put_nowait(None)
+
     async def stream(self) -> AsyncIterator[common_pb2.KVEventBatch]:
-        """`WatchKVEvents`: a reset first, then diffs, until the client goes away."""
+        """`WatchKVEvents`: a reset first, then diffs, until the client goes away or the
+        service drains."""
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue[EventBatch] = asyncio.Queue()
+        q: asyncio.Queue[EventBatch | None] = asyncio.Queue()
+        if self._is_closing:
+            return
 
         def deliver(batch: EventBatch) -> None:  # engine thread
             try:
@@ -262,10 +264,12 @@ class KVPublishing:
                 pass
 
         sub = self.source.subscribe(deliver)
+        self._streams.add(q)
         try:
-            while True:
-                yield self._to_proto(await q.get())
+            while (batch := await q.get()) is not None:
+                yield self._to_proto(batch)
         finally:
+            self._streams.discard(q)
             self.source.unsubscribe(sub)
 
     def _to_proto(self, batch: EventBatch) -> common_pb2.KVEventBatch:
@@ -292,9 +296,22 @@ class KVPublishing:
 
 
 # ---- health --------------------------------------------------------------------------------
-async def serve_health(
-    server: grpc.aio.Server, service_name: str, engine: AsyncEngine
-) -> asyncio.Task:
+class Health:
+    """gRPC health of one service (`serve_health`): liveness is the empty name, readiness the
+    service's own. `task` keeps readiness in step with the engine loop; `drain` turns
+    readiness off for good while liveness stays on (the process is finishing its work)."""
+
+    def __init__(self, servicer: health.aio.HealthServicer, service_name: str, task=None):
+        self.servicer, self.service_name = servicer, service_name
+        self.task: asyncio.Task = task
+        self.is_draining = False
+
+    async def drain(self) -> None:
+        self.is_draining = True
+        await self.servicer.set(self.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+async def serve_health(server: grpc.aio.Server, service_name: str, engine: AsyncEngine) -> Health:
     """Register gRPC health; a task keeps readiness in step with the engine loop.
 
     When the loop dies, the task puts every service, the overall "" included, in NOT_SERVING for
@@ -309,18 +326,21 @@ async def serve_health(
     loop = asyncio.get_running_loop()
     died = asyncio.Event()
     engine.on_death.append(lambda exc: _set_threadsafe(loop, died))
+    state = Health(servicer, service_name)
 
     async def watch() -> None:
         while engine.is_alive:
             ok = time.monotonic() - engine.last_step_time < READY_STALL_S
-            await servicer.set(service_name, serving if ok else not_serving)
+            if not state.is_draining:
+                await servicer.set(service_name, serving if ok else not_serving)
             with contextlib.suppress(TimeoutError):  # a death wakes us at once
                 await asyncio.wait_for(died.wait(), 0.5)
         logger.error("engine loop is not running: health NOT_SERVING (%r)", engine.error)
         await servicer.set(service_name, not_serving)
         await servicer.enter_graceful_shutdown()  # "" too; later `set`s are ignored
 
-    return asyncio.create_task(watch())
+    state.task = asyncio.create_task(watch())
+    return state
 
 
 def _set_threadsafe(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:

@@ -1,0 +1,99 @@
+"""Drain on SIGTERM (scale-in, rolling restarts): the service turns unready while staying live,
+leaves the Redis pool, refuses new work with UNAVAILABLE (so the gateway tries another
+decode), finishes the stream it holds to the last token, and exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+import grpc
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.internal_auth import internal_channel
+from engine.registry import INSTANCES_KEY
+from engine.sampling_params import SamplingParams
+from tests.integration.services import ENGINE_FLAGS, decode_stub, generate_request
+from tests.integration.test_supervision import DECODE_SERVICE, START_S, LineProc
+from tests.redis_server import redis_server  # noqa: F401  (the fixture)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+NUM_TOKENS = 120
+
+
+async def _health(address: str, service: str) -> int:
+    async with internal_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        return reply.status
+
+
+async def _until(check, timeout_s: float = 30.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not await check():
+            await asyncio.sleep(0.02)
+
+
+def test_sigterm_drains_a_decode_without_losing_its_stream(
+    tiny_qwen3_path,
+    redis_server,  # noqa: F811
+):
+    cmd = [sys.executable, "-m", "tests.integration.slow_decode", "0.02", str(tiny_qwen3_path)]
+    flags = [*ENGINE_FLAGS, "--port", "0", "--redis-url", redis_server.url]
+    service = LineProc([*cmd, *flags])
+    registry = redis.Redis.from_url(redis_server.url)
+    try:
+        _, m = service.wait_for(r"^READY decode (\S+)$", START_S)
+        address = m.group(1)
+        assert len(registry.smembers(INSTANCES_KEY)) == 1
+        params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+        async def run() -> tuple[list[int], object, grpc.StatusCode, int, int]:
+            stub = decode_stub(address)
+            stream = stub.Generate(generate_request("held", list(range(40, 60)), params))
+            tokens = []
+            first = await stream.read()
+            tokens += first.tokens.token_ids
+            service.proc.send_signal(signal.SIGTERM)  # the stream has 119 tokens to go
+
+            await _until(lambda: _health_is(address, DECODE_SERVICE, NOT_SERVING))
+            live = await _health(address, "")  # still live: it is finishing its work
+            await _until(_left_registry)
+            try:
+                await collect_one(decode_stub(address))
+                refused = grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as e:
+                refused = e.code()
+            final = None
+            async for resp in stream:
+                if resp.WhichOneof("kind") == "tokens":
+                    tokens += resp.tokens.token_ids
+                else:
+                    final = resp
+            return tokens, final, refused, live, len(tokens)
+
+        async def _health_is(addr, name, status) -> bool:
+            return await _health(addr, name) == status
+
+        async def _left_registry() -> bool:
+            return len(registry.smembers(INSTANCES_KEY)) == 0
+
+        async def collect_one(stub):
+            async for _ in stub.Generate(generate_request("new", [5, 6, 7], params), timeout=10):
+                pass
+
+        tokens, final, refused, live, _ = asyncio.run(run())
+        assert live == SERVING
+        assert refused == grpc.StatusCode.UNAVAILABLE  # the gateway tries another decode
+        assert final is not None and final.WhichOneof("kind") == "final", final
+        assert final.final.finish_reason == "length"
+        assert len(tokens) == NUM_TOKENS  # nothing truncated
+        assert service.proc.wait(30) == 0
+        service.wait_for(r"drained in [\d.]+ s; exiting", 5)
+    finally:
+        if service.proc.poll() is None:
+            service.proc.kill()
+            service.proc.wait()
