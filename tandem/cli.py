@@ -5,6 +5,8 @@ tandem prefill [MODEL] [--port P] [engine flags]
 tandem decode  [MODEL] [--port P] [engine flags]
 tandem gateway --model MODEL --decode host:port,... [--prefill host:port,...]
 tandem generate [MODEL] --prompt TEXT      (offline, no services)
+tandem bench serve --model MODEL [--base-url URL] [vLLM's `bench serve` flags]
+                                           (load any OpenAI-compatible server; --help)
 
 prefill, decode and gateway authenticate each other with the token in the file named by
 TANDEM_INTERNAL_TOKEN_FILE (or in TANDEM_INTERNAL_TOKEN) and refuse to start without one, unless
@@ -63,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if cmd == "generate":
         return _generate(rest)
+    if cmd == "bench":
+        from tandem.benchmark.serve import bench_main
+
+        return bench_main(rest)
     print(f"unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
     return 2
 
