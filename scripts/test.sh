@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Set up and run the whole test suite (what CI runs). Installs redis-server if missing.
+# Set up and run the whole test suite (what CI runs). Installs redis-server and promtool (Debian
+# package prometheus, for tests/deploy) if missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v redis-server >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ]; then
-    (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) || \
-      echo "warning: could not install redis-server" >&2
-  fi
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+if [ "${#missing[@]}" -gt 0 ] && [ "$(id -u)" = 0 ]; then
+  # --no-install-recommends: prometheus brings promtool; its recommended exporters are not needed.
+  (apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}" \
+    >/dev/null) || echo "warning: could not install ${missing[*]}" >&2
 fi
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
