@@ -37,7 +37,6 @@ from engine.metrics import KV_TRANSFER_SECONDS
 from engine.record_auth import RecordAuth, RecordError
 from engine.registry import InstanceRecord
 from engine.request import Request, RequestStatus
-from engine.scheduler import SchedulerFullError
 from engine.serving import logprobs_from_proto, sampling_params_to_proto
 from kv_transfer import Agent
 from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -84,7 +83,13 @@ class RemotePrefill:
         self.counters = counters
         # Exported as metrics (not part of GetLoad's reply, which `counters` feeds).
         self.stats = dict.fromkeys(
-            ("num_rejected_prefill_targets", "num_prefill_timeouts", "num_fenced_transfers"), 0
+            (
+                "num_rejected_prefill_targets",
+                "num_prefill_timeouts",
+                "num_fenced_transfers",
+                "num_queued_for_blocks",
+            ),
+            0,
         )
         self.require_registration = require_registration
         if not 0 < max_tenant_kv_fraction <= 1:
@@ -101,6 +106,8 @@ class RemotePrefill:
         self._channels: dict[str, prefill_pb2_grpc.PrefillStub] = {}
         self._s_per_token: dict[str, float] = {}  # measured per prefill address
         self._fences: set[asyncio.Task] = set()
+        self._wakers: dict[str, asyncio.Future] = {}  # request id -> woken when blocks free
+        engine.hooks.append(self._wake_first_in_line)
 
     async def run(self, req: Request, request, timings):
         """An output stream once P has written the KV; None to prefill locally instead."""
@@ -124,14 +131,12 @@ class RemotePrefill:
                 return alloc
 
             try:
-                alloc = await self.engine.call(reserve)
+                alloc = await self._reserve_in_line(req, reserve)
             except asyncio.CancelledError:
                 # `reserve` is queued and still runs; this runs after it (commands run in
                 # order). No prefill has seen these blocks: release them at once.
                 self._fail_transfer(req, transfer_id, target.address, acknowledged=True)
                 raise
-            if alloc is None:
-                raise SchedulerFullError("no free KV blocks for the prompt; retry elsewhere")
             first_block = alloc.num_hit_tokens // bs
             msg = prefill_pb2.PrefillRequest(
                 request_id=req.request_id,
@@ -173,6 +178,18 @@ class RemotePrefill:
                 )
                 self._fail_transfer(req, transfer_id, target.address, acknowledged=ack)
                 continue
+            if req.wants_prompt_logprobs and len(resp.prompt_logprobs) != req.num_prompt_tokens - 1:
+                # A prefill that does not send them (an older version): never lose them.
+                logger.warning(
+                    "Prefill %s on %s returned %d prompt logprobs for %d prompt tokens; %s",
+                    transfer_id,
+                    target.address,
+                    len(resp.prompt_logprobs),
+                    req.num_prompt_tokens,
+                    "retrying" if attempt + 1 < len(targets) else "prefilling locally",
+                )
+                self._fail_transfer(req, transfer_id, target.address, acknowledged=True)
+                continue
             self._learn(target.address, t1 - t0, req.num_prompt_tokens - alloc.num_hit_tokens)
             self.receiver.set_state(transfer_id, TransferState.WRITTEN)
             self.counters["num_remote_prefills"] += 1
@@ -195,12 +212,51 @@ class RemotePrefill:
 
             def add(r: Request, resp=resp, lp=lp, tid=transfer_id):
                 self.receiver.set_state(tid, TransferState.FINISHED)
-                return self.core.add_remote_prefilled(
+                out = self.core.add_remote_prefilled(
                     r, resp.first_token_id, lp, resp.num_cached_tokens
                 )
+                if r.wants_prompt_logprobs:  # P computed them; the first output carries them
+                    out.prompt_logprobs = [None, *map(logprobs_from_proto, resp.prompt_logprobs)]
+                return out
 
             return self.engine.generate(req, add=add)
         return None
+
+    async def _reserve_in_line(self, req: Request, reserve):
+        """Blocks for the prompt; while the cache is full the request waits in line (FIFO,
+        counted by the queue limits: SchedulerFullError past them) and is woken by the engine
+        loop once the blocks it needs are free, as the scheduler queues a local prompt."""
+        alloc = await self.engine.call(reserve)
+        if alloc is not None:
+            return alloc
+        self.stats["num_queued_for_blocks"] += 1
+        try:
+            while alloc is None:
+                woken = asyncio.get_running_loop().create_future()
+                self._wakers[req.request_id] = woken
+                try:
+                    await woken
+                finally:
+                    self._wakers.pop(req.request_id, None)
+                alloc = await self.engine.call(reserve)
+        finally:
+            if alloc is None:  # cancelled (the client went away) or refused: leave the line
+                self._leave_line(req.request_id)
+        return alloc
+
+    def _leave_line(self, request_id: str) -> None:
+        task = asyncio.ensure_future(self.engine.call(self.core.stop_awaiting, request_id))
+        self._fences.add(task)
+        task.add_done_callback(self._fences.discard)
+
+    def _wake_first_in_line(self) -> bool:
+        """Engine-loop hook: wake the request first in line once its blocks are free."""
+        head = self.core.next_awaiting()
+        if head is not None:
+            woken = self._wakers.get(head.request_id)
+            if woken is not None:
+                woken.get_loop().call_soon_threadsafe(_wake, woken)
+        return False
 
     # ---- whom to trust, how long to wait -------------------------------------------------
     def _is_trusted(self, target) -> bool:
@@ -306,6 +362,11 @@ class RemotePrefill:
 
 
 _PRIOR_S_PER_TOKEN = 1e-3  # until measured: 1,000 prompt tokens/s (slow CPU prefill)
+
+
+def _wake(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _is_refused(e: grpc.aio.AioRpcError) -> bool:

@@ -9,8 +9,9 @@ Lifecycle of one `Generate` stream:
    its notification carries the per-transfer token. On P failure before WRITTEN the blocks are
    quarantined (see `receiver.py`) and the prompt goes to the next candidate, then local.
 3. Local prefill (no candidates, or all failed): the engine prefills the prompt itself.
-4. Decode in the continuous batch, streaming `TokenChunk`s, then a `Final` with usage. A
-   client that goes away aborts the request and frees its blocks.
+4. Decode in the continuous batch, streaming `TokenChunk`s (the first carries the prompt
+   logprobs when asked, computed here or by P), then a `Final` with usage. A client that goes
+   away aborts the request and frees its blocks.
 """
 
 from __future__ import annotations
@@ -107,12 +108,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     INTER_TOKEN_LATENCY.observe(now - last)
                 last = now
                 num_out += len(out.new_token_ids)
-                yield decode_pb2.GenerateResponse(
-                    tokens=decode_pb2.TokenChunk(
-                        token_ids=out.new_token_ids,
-                        logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs],
-                    )
+                chunk = decode_pb2.TokenChunk(
+                    token_ids=out.new_token_ids,
+                    logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs],
                 )
+                if out.prompt_logprobs is not None:  # the first output, when requested
+                    assert out.prompt_logprobs[0] is None, "nothing predicts prompt token 0"
+                    chunk.prompt_logprobs.extend(map(logprobs_to_proto, out.prompt_logprobs[1:]))
+                yield decode_pb2.GenerateResponse(tokens=chunk)
                 if out.finish_reason is not None:
                     yield self._final(req, out, num_out, timings)
                     return

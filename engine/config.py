@@ -149,12 +149,37 @@ class SchedulerConfig:
             )
 
 
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar")
+# vLLM's other backends: named so that a vLLM command line fails with a clear message.
+_VLLM_ONLY_BACKENDS = ("guidance", "outlines", "lm-format-enforcer")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """vLLM's `--structured-outputs-config.backend`; "auto" is xgrammar (the only one here)."""
+
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.backend in _VLLM_ONLY_BACKENDS:
+            raise ValueError(
+                f"Structured outputs backend {self.backend!r} is not available in Tandem, which "
+                "implements structured outputs with xgrammar only: use 'auto' or 'xgrammar'."
+            )
+        if self.backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(
+                f"Unknown structured outputs backend {self.backend!r}; choose one of: "
+                f"{', '.join(STRUCTURED_OUTPUT_BACKENDS)}."
+            )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: str = "cpu"
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     @classmethod
     def from_args(
@@ -182,7 +207,11 @@ class EngineConfig:
         generation_config: str = "auto",
         device: str = "auto",
         seed: int = 0,
+        structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = None,
     ) -> EngineConfig:
+        structured_outputs = structured_outputs_config  # validated before the model loads
+        if not isinstance(structured_outputs, StructuredOutputsConfig):
+            structured_outputs = StructuredOutputsConfig(**(structured_outputs or {}))
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         path = resolve_model_path(model, revision=revision)
@@ -234,4 +263,4 @@ class EngineConfig:
             enable_chunked_prefill=enable_chunked_prefill,
             async_scheduling=async_scheduling,
         )
-        return cls(model_config, cache_config, scheduler_config, device)
+        return cls(model_config, cache_config, scheduler_config, device, structured_outputs)

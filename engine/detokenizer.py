@@ -13,7 +13,10 @@ could still grow into a stop string, so a stop string is never streamed to the c
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the gateway uses this module and imports no transformers
+    from transformers import PreTrainedTokenizerBase
 
 # How many prompt tokens give the first output token its context (vLLM uses 5). Context matters
 # for tokenizers whose decoding of a token depends on its neighbours (SentencePiece spaces).

@@ -12,13 +12,20 @@ of its requests (the scheduler then sees the token as present); the graph reads 
 token on the device. Resolving fills the placeholders and applies the stops; a request that
 stops at N has one wasted row in N+1, whose output is dropped, and its blocks are freed only
 once N+1 is done (nothing may reuse a block that a running step still writes). Any step that
-is not a plain greedy decode batch (prefill, sampling, logprobs, waiting requests, a pool
-that might preempt, a request that could pass max_tokens) resolves the pending step first.
+is not a plain greedy decode batch (prefill, sampling, logprobs, a grammar, waiting requests, a
+pool that might preempt, a request that could pass max_tokens) resolves the pending step first.
+
+Structured outputs: a constrained request waits in `compiling` (known to the scheduler by id,
+not queued) until its grammar is compiled off this thread; `step()` then activates its matcher
+(feeding any output it already has: a decode resuming a remote prefill's first token) and
+queues it. Each sampled token advances the matcher; a token the grammar rejects fails that
+request, never the loop.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -28,8 +35,11 @@ from engine.outputs import EngineCoreOutput
 from engine.request import PLACEHOLDER, Request, RequestStatus
 from engine.sampler import skip_sampler_step
 from engine.scheduler import Scheduler, SchedulerFullError
+from engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+COMPILE_WAIT_S = 0.005  # an idle engine waits this long on a grammar compile per step
 
 
 @dataclass
@@ -62,12 +72,22 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         # Decode role: requests holding blocks for a remote prefill, not yet scheduled.
         self.reserved: dict[str, Request] = {}
+        # Remote prefills waiting for free blocks, in arrival order (FIFO): a decode short of
+        # KV queues them as the scheduler queues local prompts, instead of refusing.
+        self.awaiting_blocks: dict[str, Request] = {}
         self._pending: LaunchedStep | None = None  # async scheduling: launched, not read
+        self.structured = StructuredOutputManager(config.model, config.device)
+        # Constrained requests whose grammar is compiling (in `scheduler.requests`, not queued).
+        self.compiling: dict[str, Request] = {}
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self._validate(request)
-        self.scheduler.add_request(request)
+        if request.structured is None:
+            self.scheduler.add_request(request)
+            return
+        self.scheduler.check_admission(request, list(self.compiling.values()))
+        self._park(request)
 
     def _validate(self, request: Request) -> None:
         """Checks shared by every role; resolves `request.max_tokens`."""
@@ -83,8 +103,18 @@ class EngineCore:
         if bad:
             raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab_size={vocab}).")
         params = request.sampling_params
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(
+                    f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. "
+                    f"Vocabulary size: {vocab}"
+                )
         limit = max_len - request.num_prompt_tokens
         request.max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
+        if params.structured_outputs is not None and request.structured is None:
+            # Last: starts the compile (ValueError here if the constraint is invalid).
+            request.structured = self.structured.start(params.structured_outputs)
 
     def abort_request(self, request_id: str) -> bool:
         request = self.scheduler.requests.get(request_id)
@@ -94,11 +124,21 @@ class EngineCore:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._pending is not None
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self._pending is not None
+            or bool(self.compiling)
+        )
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Finish a request; while a launched step may still write its KV, free its blocks
         only once that step is done."""
+        if self.compiling.pop(request.request_id, None) is not None:
+            self.scheduler.requests.pop(request.request_id, None)
+            request.status = status
+            if not request.hold_blocks:
+                self.kv.free(request)  # a decode's blocks, written by a remote prefill
+            return
         pending = self._pending
         if pending is None or request.hold_blocks or request.request_id not in pending.row_of:
             self.scheduler.finish_request(request, status)
@@ -106,8 +146,46 @@ class EngineCore:
         self.scheduler.finish_request(request, status, free_blocks=False)
         pending.deferred_free.append(request)
 
+    # ---- structured outputs: waiting for the grammar --------------------------------------
+    def _park(self, request: Request) -> None:
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"Request id {request.request_id!r} is already in use.")
+        self.scheduler.requests[request.request_id] = request  # found by abort and load
+        self.compiling[request.request_id] = request
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Queue the requests whose grammar is ready; report those that cannot go on."""
+        if not self.scheduler.has_unfinished_requests() and self._pending is None:
+            # Nothing else to do: wait for a compile instead of spinning.
+            futures = [r.structured.compiled for r in self.compiling.values()]
+            wait(futures, timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
+        outputs = []
+        for r in [r for r in self.compiling.values() if r.structured.is_ready]:
+            try:
+                ok = r.structured.activate(r.prompt_token_ids, r.output_token_ids)
+                error = None if ok else f"the grammar rejects its output {r.output_token_ids}"
+            except Exception as e:  # noqa: BLE001 - the compile failed: this request's failure
+                error = f"its grammar failed to compile: {e}"
+            if error is None and not r.structured.is_terminated:
+                del self.compiling[r.request_id], self.scheduler.requests[r.request_id]
+                self.scheduler.add_request(r, check_limits=False)
+                continue
+            status = RequestStatus.FINISHED_STOPPED if error is None else self._fail(r, error)
+            self._finish(r, status)
+            outputs.append(EngineCoreOutput(r.request_id, finish_reason=status.value))
+        return outputs
+
+    @staticmethod
+    def _fail(r: Request, error: str) -> RequestStatus:
+        logger.error("Request %s failed: %s", r.request_id, error)
+        return RequestStatus.FINISHED_ABORTED
+
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        admitted = self._admit_compiled() if self.compiling else []
+        return admitted + self._step()
+
+    def _step(self) -> list[EngineCoreOutput]:
         pending, self._pending = self._pending, None
         if pending is not None and not self._may_pipeline():
             return self._resolve(pending)
@@ -185,6 +263,11 @@ class EngineCore:
             if token is None:
                 continue
             r.append_output_token(token)
+            if r.structured is not None and not r.structured.advance(token):
+                status = self._fail(r, f"the grammar rejects sampled token {token}")
+                self.scheduler.finish_request(r, status)
+                outputs.append(EngineCoreOutput(r.request_id, finish_reason=status.value))
+                continue
             out = EngineCoreOutput(r.request_id, [token], num_cached_tokens=r.num_cached_tokens)
             if r.request_id in result.logprobs:
                 r.logprobs.append(result.logprobs[r.request_id])
@@ -207,6 +290,8 @@ class EngineCore:
             if params.stop_token_ids and token in params.stop_token_ids:
                 r.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
+        if r.structured is not None and r.structured.is_terminated:
+            return RequestStatus.FINISHED_STOPPED  # the grammar took its stop token (ignore_eos)
         if num_output >= r.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if r.num_prompt_tokens + num_output >= self.config.model.max_model_len:
@@ -218,12 +303,45 @@ class EngineCore:
         self, request: Request, max_blocks_per_salt: int | None = None
     ) -> RemotePrefillAllocation | None:
         """Reserve blocks for the whole prompt (reusing this instance's prefix hits) so that a
-        prefill elsewhere can write into them. None: no room now (refuse fast). The request is
-        not scheduled until `add_remote_prefilled`; until then it is `reserved`: it counts
-        against the queue limits, and the blocks reserved for one cache salt (one tenant)
-        stay under `max_blocks_per_salt` (SchedulerFullError past either)."""
+        prefill elsewhere can write into them. None: no room now; the request then waits in
+        `awaiting_blocks` (FIFO: only its head may take blocks) and the caller asks again when
+        blocks are freed (`next_awaiting`), or gives up with `stop_awaiting`. The request is
+        not scheduled until `add_remote_prefilled`; until then it is `reserved`. Waiting and
+        reserved requests count against the queue limits, and the blocks reserved for one
+        cache salt (one tenant) stay under `max_blocks_per_salt` (SchedulerFullError past
+        either)."""
         self._validate(request)
-        self.scheduler.check_admission(request, self.reserved.values())
+        if request.request_id not in self.awaiting_blocks:
+            queued = [*self.reserved.values(), *self.awaiting_blocks.values()]
+            self.scheduler.check_admission(request, queued)
+        try:
+            alloc = self._reserve_for_remote_prefill(request, max_blocks_per_salt)
+        except SchedulerFullError:
+            self.awaiting_blocks.pop(request.request_id, None)
+            raise
+        if alloc is None:
+            self.awaiting_blocks.setdefault(request.request_id, request)
+        else:
+            self.awaiting_blocks.pop(request.request_id, None)
+        return alloc
+
+    def next_awaiting(self) -> Request | None:
+        """The remote prefill first in line for blocks, if the free blocks could hold it."""
+        head = next(iter(self.awaiting_blocks.values()), None)
+        if head is None:
+            return None
+        needed = cdiv(head.num_tokens, self.config.cache.block_size)
+        return head if self.kv.num_free_blocks >= needed else None
+
+    def stop_awaiting(self, request_id: str) -> None:
+        self.awaiting_blocks.pop(request_id, None)
+
+    def _reserve_for_remote_prefill(
+        self, request: Request, max_blocks_per_salt: int | None
+    ) -> RemotePrefillAllocation | None:
+        head = next(iter(self.awaiting_blocks), request.request_id)
+        if head != request.request_id:
+            return None  # behind others in line
         hits, num_hit = self.kv.get_computed_blocks(request)
         if max_blocks_per_salt is not None:
             held = sum(
@@ -271,6 +389,9 @@ class EngineCore:
             request.status = status
             self.kv.free(request)
             out.finish_reason, out.stop_reason = status.value, request.stop_reason
+        elif request.structured is not None:
+            # Queued once its grammar is ready and has taken the first token (`step`).
+            self._park(request)
         else:
             self.scheduler.add_request(request, check_limits=False)
         return out
@@ -294,7 +415,9 @@ class EngineCore:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting)
+            + len(self.compiling)
+            + len(self.awaiting_blocks),
             kv_cache_usage=self.kv.usage(),
             num_free_blocks=self.kv.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,

@@ -68,6 +68,7 @@ class ModelRunner:
         self.attn_backend: AttentionBackend = self._make_backend()
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
+        self.grammar_bitmask = None  # structured outputs: made for the first constrained row
 
     def _make_backend(self) -> AttentionBackend:
         if self.device.type != "cuda":
@@ -120,8 +121,11 @@ class ModelRunner:
             else:
                 available = DEFAULT_CPU_KV_CACHE_BYTES
             num_blocks = available // bytes_per_block
-            if cc.kv_cache_memory_bytes is None:
-                # Never allocate more than every sequence slot at full length could use.
+            if cc.kv_cache_memory_bytes is None and self.device.type == "cpu":
+                # CPU default budget only (a dev machine's RAM, pinned for UCX): no more than
+                # every sequence slot at full length could use. On a GPU the cache takes its
+                # whole budget, as vLLM's does: blocks beyond max_num_seqs x max_model_len hold
+                # queued remote prefills and cached prefixes.
                 num_blocks = min(num_blocks, sc.max_num_seqs * blocks_per_seq + 1)
         usable = num_blocks - 1  # block 0 is the null block
         if usable < blocks_per_seq:
@@ -254,7 +258,8 @@ class ModelRunner:
 
     def can_launch_async(self, sched: SchedulerOutput) -> bool:
         """A batch `launch_decode` can take: one new token per row, plain greedy sampling (the
-        graphs' argmax is the sampler), and a captured graph large enough."""
+        graphs' argmax is the sampler: no grammar mask, no logit bias), and a captured graph
+        large enough."""
         if not self.async_scheduling:
             return False
         if any(s.num_new_tokens != 1 for s in sched.scheduled):
@@ -365,6 +370,7 @@ class ModelRunner:
             logits = logits if len(rows) == logits.shape[0] else logits[rows]
         else:
             logits = self.model.compute_logits(hidden[[qsl[i + 1] - 1 for i in rows]])
+        self._apply_grammars(reqs, logits)
         batch = SamplingBatch(
             params=[r.sampling_params for r in reqs],
             generators=[r.generator for r in reqs],
@@ -379,6 +385,23 @@ class ModelRunner:
             out.sampled[r.request_id] = token
             if lp is not None:
                 out.logprobs[r.request_id] = lp
+
+    def _apply_grammars(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        """Structured outputs: mask the constrained rows in place. The host fills the bitmask
+        while the device still runs this step's forward (launched, not awaited)."""
+        rows = [
+            i
+            for i, r in enumerate(reqs)
+            if r.structured is not None and r.structured.is_constrained
+        ]
+        if not rows:
+            return
+        if self.grammar_bitmask is None:
+            from engine.grammar_bitmask import GrammarBitmask
+
+            max_rows = self.config.scheduler.max_num_seqs
+            self.grammar_bitmask = GrammarBitmask(max_rows, logits.shape[-1], self.device)
+        self.grammar_bitmask.apply(logits, rows, [reqs[i].structured for i in rows])
 
     def _prompt_logprobs(self, sched, hidden, qsl, out: ModelRunnerOutput) -> None:
         for i, s in enumerate(sched.scheduled):

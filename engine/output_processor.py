@@ -8,12 +8,14 @@ aborts it in the core. The gateway reuses this class for streaming.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the gateway uses this class and imports no transformers
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -43,7 +45,17 @@ class RequestState:
             self.prompt_logprobs = out.prompt_logprobs
         delta = ""
         if self.detok is not None:
-            delta = self.detok.update(out.new_token_ids)
+            new_ids = out.new_token_ids
+            if (
+                out.finish_reason == "stop"
+                and new_ids
+                and not self.params.include_stop_str_in_output
+            ):
+                # The engine stops on tokens only (EOS, stop_token_ids): like vLLM, the stop
+                # token's text is not part of the output (it shows with skip_special_tokens
+                # off), unless include_stop_str_in_output.
+                new_ids = new_ids[:-1]
+            delta = self.detok.update(new_ids)
             if out.finish_reason is not None:
                 delta += self.detok.flush()
         if self.stop is not None:

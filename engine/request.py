@@ -10,11 +10,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.block_hash import BlockHash, hash_block_tokens
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured_output import StructuredRequest
 
 
 class RequestStatus(enum.Enum):
@@ -67,6 +71,8 @@ class Request:
     # Async scheduling: output tokens whose step is still on the GPU, held as PLACEHOLDER at
     # the end of output_token_ids (at most 2: the step being resolved and the next one).
     num_placeholders: int = 0
+    # Structured outputs: the grammar's compile and matcher (set at admission by EngineCore).
+    structured: StructuredRequest | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -1,11 +1,14 @@
 """Batched sampler for one decoding step, following vLLM v1's `Sampler`.
 
 Order per step (vLLM v1):
+  0. (before the sampler, in the model runner) structured outputs' grammar bitmask: tokens the
+     grammar forbids get -inf, so they also get -inf logprobs;
   1. logprobs from the *raw* logits (what the model said, before any request processing);
-  2. min_tokens: mask EOS / stop tokens until the request has produced `min_tokens`;
-  3. repetition (prompt + output), frequency and presence (output only) penalties;
-  4. greedy rows: argmax of the penalized logits;
-  5. random rows: temperature, min_p, top_k, top_p, then the exponential race
+  2. logit_bias: add each request's per-token values;
+  3. min_tokens: mask EOS / stop tokens until the request has produced `min_tokens`;
+  4. repetition (prompt + output), frequency and presence (output only) penalties;
+  5. greedy rows: argmax of the penalized logits;
+  6. random rows: temperature, min_p, top_k, top_p, then the exponential race
      `argmax(probs / Exponential(1))`, which is an exact draw from `probs`.
 
 Seeded requests draw their noise row by row from their own `torch.Generator`, so their tokens
@@ -71,10 +74,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, logits.shape
-        if all(
-            is_plain_greedy(p, len(out)) for p, out in zip(batch.params, batch.output_token_ids)
-        ):
-            # The common serving case: one argmax kernel, no fp32 copy of the logits.
+        if all(is_argmax_only(p, len(out)) for p, out in zip(batch.params, batch.output_token_ids)):
+            # The common serving case: one argmax kernel, no fp32 copy of the logits (a grammar
+            # mask, if any, is already in the logits).
             ids = logits.argmax(dim=-1).tolist()
             return SamplerOutput(ids, [None] * batch.num_rows)
         # Copy even when already fp32: min_tokens masks in place and the caller keeps its logits.
@@ -83,6 +85,7 @@ class Sampler:
         wants_logprobs = any(k is not None for k in num_logprobs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
 
+        logits = apply_logit_bias(logits, batch.params)
         logits = apply_min_tokens(logits, batch)
         logits = apply_penalties(logits, batch)
 
@@ -100,15 +103,41 @@ class Sampler:
         return SamplerOutput(token_id_list, _gather_logprobs(raw_logprobs, token_ids, num_logprobs))
 
 
-def is_plain_greedy(p: SamplingParams, num_output_tokens: int) -> bool:
+def is_argmax_only(p: SamplingParams, num_output_tokens: int) -> bool:
+    """The sampler's work for this row is an argmax of the logits it is given."""
     return (
         p.temperature < SAMPLING_EPS
         and p.logprobs is None
         and p.repetition_penalty == 1.0
         and p.frequency_penalty == 0.0
         and p.presence_penalty == 0.0
+        and not p.logit_bias
         and num_output_tokens >= p.min_tokens
     )
+
+
+def is_plain_greedy(p: SamplingParams, num_output_tokens: int) -> bool:
+    """An argmax of the raw logits: what the decode graphs compute on the device (async
+    scheduling); a grammar needs its mask from the host first."""
+    return p.structured_outputs is None and is_argmax_only(p, num_output_tokens)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Add `logit_bias[token]` to each row's logits, in place (token ids validated at
+    admission; values as given: the gateway clamps them to [-100, 100] as vLLM does)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            rows.extend([i] * len(p.logit_bias))
+            cols.extend(p.logit_bias.keys())
+            values.extend(p.logit_bias.values())
+    if rows:
+        index = torch.tensor([rows, cols], dtype=torch.long, device=logits.device)
+        bias = torch.tensor(values, dtype=logits.dtype, device=logits.device)
+        logits.index_put_((index[0], index[1]), bias, accumulate=True)
+    return logits
 
 
 def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
+from engine.config import EngineConfig, StructuredOutputsConfig
 from engine.engine_core import EngineCore
 from engine.kv_events import EventBatch, KVEventSource, LoadSnapshot
 from engine.params_proto import (  # noqa: F401  (re-exported for the services)
@@ -121,6 +121,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="overlap scheduling with the GPU in steady greedy decode (default: with graphs)",
     )
+    parser.add_argument(
+        "--structured-outputs-config.backend",
+        dest="structured_outputs_backend",
+        type=_structured_outputs_backend,
+        default="auto",
+        help="structured outputs (JSON schema, regex, choice, grammar): auto (= xgrammar) or "
+        "xgrammar; vLLM's guidance, outlines and lm-format-enforcer are not available",
+    )
+
+
+def _structured_outputs_backend(value: str) -> str:
+    """argparse check: a vLLM-only backend fails at parse time, with the config's message."""
+    try:
+        StructuredOutputsConfig(backend=value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -142,6 +159,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        structured_outputs_config=StructuredOutputsConfig(
+            backend=getattr(args, "structured_outputs_backend", "auto")
+        ),
     )
 
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:  # transformers' Auto classes import torch; the gateway imports this module
+    from transformers import PreTrainedTokenizerBase
+
+    from engine.light_tokenizer import LightTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +54,13 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrai
     return tokenizer
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+def encode_prompt(tokenizer: PreTrainedTokenizerBase | LightTokenizer, prompt: str) -> list[int]:
     """Encode a plain-text prompt, adding special tokens (e.g. BOS) as HF does by default."""
     return list(tokenizer.encode(prompt, add_special_tokens=True))
 
 
 def apply_chat_template(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: PreTrainedTokenizerBase | LightTokenizer,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
@@ -65,7 +68,9 @@ def apply_chat_template(
 ) -> list[int]:
     """Render `messages` with the model's (or the given) chat template and return token ids.
 
-    Extra `kwargs` reach the template (e.g. `enable_thinking=False`, `tools=[...]`).
+    Extra `kwargs` reach the template (e.g. `enable_thinking=False`, `tools=[...]`). A
+    `LightTokenizer` (the gateway's) renders with engine/chat_template.py, which repeats
+    transformers' rendering: the same text and ids either way.
     """
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
@@ -84,7 +89,7 @@ def apply_chat_template(
 
 
 def get_eos_token_ids(
-    tokenizer: PreTrainedTokenizerBase, generation_config: dict[str, Any] | None
+    tokenizer: PreTrainedTokenizerBase | LightTokenizer, generation_config: dict[str, Any] | None
 ) -> set[int]:
     """EOS ids that end a request: the tokenizer's EOS plus generation_config's (int or list).
 

@@ -7,7 +7,8 @@ Lifecycle of one `Prefill` call:
    other prompts, and hits this instance's own prefix cache.
 3. After every engine step the `KVSender` writes newly computed blocks into D's blocks.
 4. The first token is sampled; once the last block is written and flushed and the
-   notification sent, reply with the token. P's blocks stay in its prefix cache.
+   notification sent, reply with the token (and the prompt logprobs, when asked). P's blocks
+   stay in its prefix cache.
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             num_descriptors=send.num_descs,
             compute_s=compute_s,
             server_s=time.monotonic() - received,
+            # Prompt token 0 has none (nothing predicts it): the list starts at token 1.
+            prompt_logprobs=map(logprobs_to_proto, (first.prompt_logprobs or [None])[1:]),
         )
 
     def _parse(self, request) -> tuple[Request, KVSend]:

@@ -20,8 +20,10 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch only to build: a gateway resolving the cached folder must not load it
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +113,7 @@ def _remove_leftovers(out_dir: Path) -> None:
 
 def build_smollm2(gguf_path: Path, out_dir: Path) -> None:
     """Write a hub-layout SmolLM2 folder (bf16) into the existing, empty `out_dir`."""
+    import torch
     from transformers import AutoConfig, LlamaForCausalLM
 
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -162,6 +165,7 @@ def _dequantize(gguf_path: Path, model: torch.nn.Module) -> dict[str, torch.Tens
 
 
 def _save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    import torch
     from safetensors.torch import save_file
 
     bf16 = {name: t.to(torch.bfloat16).contiguous() for name, t in sorted(tensors.items())}
@@ -170,6 +174,8 @@ def _save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 def _save_config(config, out_dir: Path) -> None:
     """config.json as the hub repo has it: bf16, LlamaForCausalLM, no GGUF leftovers."""
+    import torch
+
     config.architectures = ["LlamaForCausalLM"]
     config.dtype = torch.bfloat16
     # GGUF stores eps as float32 (9.9999997e-06); the repo says 1e-05.

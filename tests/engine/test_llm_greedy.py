@@ -141,3 +141,24 @@ def test_policies_give_same_tokens(tiny_llama_path, policy):
     outs = llm.generate(prompts, GREEDY, priority=[4, 3, 2, 1, 0] if policy == "priority" else None)
     _assert_matches_hf(tiny_llama_path, outs, GREEDY.max_tokens)
     _assert_idle(llm)
+
+
+def test_stop_token_text_is_not_output(tiny_qwen3_path):
+    """vLLM: a request stopped by a token (EOS or stop_token_ids) does not show that token's
+    text, even with skip_special_tokens off, unless include_stop_str_in_output."""
+    llm = LLM(str(tiny_qwen3_path), max_model_len=256)
+    prompt = {"prompt_token_ids": [11, 12, 13, 14, 15]}
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    stop_id = free[0].outputs[0].token_ids[3]
+    for include in (False, True):
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=8,
+            stop_token_ids=[stop_id],
+            skip_special_tokens=False,
+            include_stop_str_in_output=include,
+        )
+        out = llm.generate([prompt], params)[0].outputs[0]
+        assert out.finish_reason == "stop" and out.token_ids[-1] == stop_id
+        shown = out.token_ids if include else out.token_ids[:-1]
+        assert out.text == llm.tokenizer.decode(shown, skip_special_tokens=False)
