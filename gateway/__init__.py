@@ -13,7 +13,8 @@ Module map:
   quota_service  reserve / release per request; Redis ↔ memory failover (degraded)
   accounting   per request: reserve, settle with actual usage, vLLM metrics, on every exit
   metrics      Prometheus registry (vLLM names + tandem:*) on an internal port
-  model_info   tokenizer, max_model_len, generation_config of the served model
+  openapi      the OpenAPI schema with every route's real responses (on the metrics port)
+  model_info   tokenizer (engine.light_tokenizer: no torch), max_model_len, generation_config
   protocol     OpenAI request bodies (+ vLLM extra fields)
   preprocess   tokenize, validate (vLLM messages), SamplingParams, one ChildJob per sample
   registry     InstanceRegistry (discovery) + StaticRegistry from settings

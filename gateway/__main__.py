@@ -16,7 +16,10 @@ from engine.ports import bind_error
 from engine.registry import resolve_redis_url
 from gateway.app import create_app
 from gateway.auth import KeyStore
+from gateway.chat_output import load_parsers
 from gateway.config import GatewaySettings
+from gateway.reasoning import REASONING_PARSERS
+from gateway.tool_parsers import TOOL_PARSERS
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -51,9 +54,37 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="let requests pass their own chat_template (vLLM's flag; default: refused)",
     )
+    add_tool_and_reasoning_args(p)
     p.add_argument("--log-level", default="info")
     internal_auth.add_internal_auth_args(p)  # the token and TLS files: environment only
     return p.parse_args(argv)
+
+
+def add_tool_and_reasoning_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's tool calling and reasoning flags (`tandem serve` passes them on)."""
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        default=None,
+        help='allow tool_choice "auto": the model decides to call tools, read from its text '
+        "by --tool-call-parser (default off)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        help=f"how tool calls are read from the model's text: {', '.join(TOOL_PARSERS)} "
+        "(default: none)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        help="split <think> reasoning into reasoning_content: "
+        f"{', '.join(REASONING_PARSERS)} (default: none)",
+    )
+    p.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        default=None,
+        help='leave tools out of the prompt when tool_choice is "none" (default: rendered)',
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
@@ -62,6 +93,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         *("host", "port", "model", "served_model_name", "max_model_len", "decode", "prefill"),
         *("redis_url", "metrics_port", "metrics_host", "api_keys_file"),
         *("router", "enable_tokenizer_endpoints", "trust_request_chat_template"),
+        *("enable_auto_tool_choice", "tool_call_parser", "reasoning_parser"),
+        "exclude_tools_when_tool_choice_none",
     )
     explicit = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     if "served_model_name" in explicit:  # `--served-model-name a b` or `a,b`
@@ -96,6 +129,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         app = create_app(settings)
     except ValueError as e:  # key file errors name lines, never keys
+        raise SystemExit(f"tandem gateway: {e}") from None
+    try:  # a parser whose tokens this tokenizer lacks would fail every request
+        load_parsers(
+            settings.tool_call_parser, settings.reasoning_parser, app.state.gateway.model.tokenizer
+        )
+    except ValueError as e:
         raise SystemExit(f"tandem gateway: {e}") from None
     # Everything loaded so far (transformers, the tokenizer, ...) lives as long as the process:
     # move it out of the cyclic GC's reach, so full collections stop scanning ~10^6 objects

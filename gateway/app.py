@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from gateway import __version__
+from gateway import __version__, openapi
 from gateway.access_log import AccessLogMiddleware
 from gateway.clients import DecodeClients
 from gateway.config import GatewaySettings
@@ -16,6 +16,7 @@ from gateway.deps import GatewayState
 from gateway.dispatch import Dispatcher
 from gateway.edge import Edge
 from gateway.errors import install_handlers
+from gateway.kv_router import KVRouter, RoutingCollector
 from gateway.logprobs import TokenTexts
 from gateway.model_info import ModelInfo, load_model_info
 from gateway.registry import InstanceRegistry
@@ -65,7 +66,8 @@ def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> 
         await state.edge.close()
         await state.clients.close()
 
-    # No docs/openapi routes: the public port serves the API and nothing else.
+    # No docs/openapi routes: the public port serves the API and nothing else. The schema is
+    # at /openapi.json on the internal metrics port (gateway/openapi.py).
     app = FastAPI(
         title="Tandem gateway",
         version=__version__,
@@ -80,6 +82,10 @@ def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> 
     if settings.enable_tokenizer_endpoints:
         app.include_router(tokenize.router)
     install_handlers(app)
+    openapi.install(app)
+    state.edge.internal_documents["/openapi.json"] = lambda: openapi.schema_bytes(app)
+    if isinstance(state.router, KVRouter):  # route decisions, local prefills, degraded mode
+        state.edge.metrics.registry.register(RoutingCollector(state.router))
     state.edge.install(app)  # allowlist, auth, CORS: inside the access log
     app.add_middleware(AccessLogMiddleware)
     return app

@@ -13,6 +13,9 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from gateway.reasoning import check_reasoning_parser_name
+from gateway.tool_parsers import check_tool_parser_name
+
 
 def _split_addresses(value: object) -> object:
     """`"h1:p1, h2:p2"` (flag or env) → `["h1:p1", "h2:p2"]`; lists pass through."""
@@ -88,6 +91,13 @@ class GatewaySettings(BaseSettings):
     # vLLM's --trust-request-chat-template: without it a request's own `chat_template` (a Jinja
     # program run by the gateway) is refused.
     trust_request_chat_template: bool = False
+    # Tool calling and reasoning, vLLM's flags (gateway/chat_tools.py, gateway/chat_output.py):
+    # tool_choice "auto" needs both of the first two; the parsers are looked up by name.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # gateway.tool_parsers.TOOL_PARSERS
+    reasoning_parser: str | None = None  # gateway.reasoning.REASONING_PARSERS
+    # tool_choice "none": leave the tools out of the prompt (vLLM renders them by default).
+    exclude_tools_when_tool_choice_none: bool = False
     # Prometheus on its own port (None: off; 0: any free port); never on the public port.
     metrics_port: int | None = Field(None, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
@@ -117,6 +127,22 @@ class GatewaySettings(BaseSettings):
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"instance address {address!r} is not host:port")
         return value
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _check_tool_call_parser(cls, value: str | None) -> str | None:
+        return None if value is None else check_tool_parser_name(value)
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _check_reasoning_parser(cls, value: str | None) -> str | None:
+        return None if value is None else check_reasoning_parser_name(value)
+
+    @model_validator(mode="after")
+    def _auto_tool_choice_needs_a_parser(self) -> GatewaySettings:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        return self
 
     @model_validator(mode="after")
     def _default_served_name(self) -> GatewaySettings:

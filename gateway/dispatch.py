@@ -4,7 +4,8 @@ Lifecycle of one child (one engine request):
   plan routes → for each decode in order: `Generate` and wait for the first message
     RESOURCE_EXHAUSTED (status or Error event) → report REFUSED, try the next decode
     UNAVAILABLE → report UNAVAILABLE (router cools it down), try the next decode
-    first TokenChunk → admitted; from here on the child is a `ChildStream`
+    first TokenChunk → admitted; from here on the child is a `ChildStream`; it carries the
+    prompt logprobs when the job asked for them (all of them, or the child fails)
   TokenChunk → detokenize + stop strings (engine `RequestState`) → `TokenDelta`
     stop string hit → cancel the call and `D.Abort` it; the delta carries finish "stop"
   Final → flush held-back text; the delta carries finish_reason and cached tokens
@@ -19,9 +20,9 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
-from transformers import PreTrainedTokenizerBase
 
 from engine.output_processor import OutputProcessor, RequestState
 from engine.outputs import EngineCoreOutput
@@ -39,6 +40,9 @@ from gateway.registry import Instance
 from gateway.router import Outcome, Router
 from protos import common_pb2, decode_pb2
 
+if TYPE_CHECKING:  # the gateway imports no transformers (ARCHITECTURE: light gateway)
+    from transformers import PreTrainedTokenizerBase
+
 _ERROR_STATUS = {
     common_pb2.Error.INVALID_ARGUMENT: 400,
     common_pb2.Error.RESOURCE_EXHAUSTED: 503,
@@ -54,6 +58,13 @@ class TokenDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # first delta only, when the job asked
+
+
+@dataclass
+class PromptLogprobs:
+    k: int  # top logprobs asked per prompt token
+    logprobs: list[common_pb2.TokenLogprobs]  # prompt tokens 1.. (token 0 has none)
 
 
 @dataclass
@@ -78,6 +89,7 @@ class ChildStream:
         self._first = first
         self._clients = clients
         self._is_done = False
+        self._wants_prompt_logprobs = job.params.prompt_logprobs is not None
 
     async def deltas(self) -> AsyncIterator[TokenDelta]:
         msg = self._first
@@ -127,6 +139,19 @@ class ChildStream:
     def _on_tokens(self, chunk: decode_pb2.TokenChunk) -> TokenDelta:
         ids = list(chunk.token_ids)
         lps = [dict(zip(lp.token_ids, lp.logprobs)) for lp in chunk.logprobs]
+        prompt_logprobs = None
+        k = self.job.params.prompt_logprobs
+        if k is not None and self._wants_prompt_logprobs:  # they come with the first chunk
+            self._wants_prompt_logprobs = False
+            prompt_logprobs = PromptLogprobs(k, list(chunk.prompt_logprobs))
+            num_expected = len(self.job.prompt_token_ids) - 1
+            if len(prompt_logprobs.logprobs) != num_expected:  # never answer a partial list
+                detail = (
+                    f"{self.state.request_id} at {self.decode.address}: "
+                    f"{len(prompt_logprobs.logprobs)} prompt logprobs for {num_expected} "
+                    "prompt tokens"
+                )
+                raise hidden_failure(DECODE_FAILED_MID_STREAM, detail)
         text = self.state.add(EngineCoreOutput(self.state.request_id, ids, lps))
         return TokenDelta(
             self.job.index,
@@ -135,6 +160,7 @@ class ChildStream:
             list(chunk.logprobs),
             self.state.finish_reason,
             self.state.stop_reason,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _on_final(self, final: decode_pb2.Final) -> TokenDelta:
@@ -183,61 +209,78 @@ class Dispatcher:
         child_id = f"{job.index}_{opts.request_id}"
         # The salt is part of the block hashes: the router must look up what D will hash.
         routes = await self.router.plan(job.prompt_token_ids, opts.cache_salt or None)
-        num_refused = 0
-        for route in routes:
-            request = decode_pb2.GenerateRequest(
-                request_id=child_id,
-                transfer_id=uuid.uuid4().hex,  # one per attempt: each D owns its own blocks
-                prompt_token_ids=job.prompt_token_ids,
-                params=sampling_params_to_proto(job.params),
-                cache_salt=opts.cache_salt,
-                priority=opts.priority,
-                prefill=[
-                    decode_pb2.PrefillTarget(
-                        address=p.address,
-                        instance_id=p.instance_id,
-                        registration=p.registration,
-                        predicted_prefill_s=predicted_s,
-                    )
-                    for p, predicted_s in zip(
-                        route.prefills, route.predicted_prefill_s or [0.0] * len(route.prefills)
-                    )
-                ],
-            )
-            call = self.clients.stub(route.decode).Generate(request)
-            try:
-                first = await call.read()
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
-                    self.router.report(route.decode, Outcome.UNAVAILABLE)
-                    continue
-                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    self.router.report(route.decode, Outcome.REFUSED)
-                    num_refused += 1
-                    continue
-                self.router.report(route.decode, Outcome.OK)
-                raise error_from_rpc(e) from e
-            except BaseException:
-                call.cancel()
-                raise
-            if first is grpc.aio.EOF:
-                raise APIError("Decode ended the stream without a response.", 500)
-            if first.WhichOneof("kind") == "error":
-                call.cancel()
-                if first.error.code == common_pb2.Error.RESOURCE_EXHAUSTED:
-                    self.router.report(route.decode, Outcome.REFUSED)
-                    num_refused += 1
-                    continue
-                self.router.report(route.decode, Outcome.OK)
-                raise error_from_event(first.error, opts.retry_after_s)
-            self.router.report(route.decode, Outcome.OK)
-            state = processor.add_request(child_id, job.prompt_token_ids, job.params)
-            return ChildStream(job, state, call, first, route.decode, self.clients)
+        num_refused, tried, replanned = 0, set(), False
+        while True:
+            for route in routes:
+                tried.add(route.decode.instance_id)
+                stream, refused = await self._try(route, job, child_id, processor, opts)
+                if stream is not None:
+                    return stream
+                num_refused += refused
+            if num_refused or replanned or not await self.router.refresh_instances():
+                break
+            # Every decode known was unreachable (a rolling restart: the last old one drains
+            # before the background refresh saw its replacement): re-read the registry once.
+            replanned = True
+            plan = await self.router.plan(job.prompt_token_ids, opts.cache_salt or None)
+            routes = [r for r in plan if r.decode.instance_id not in tried]
         if num_refused:
             raise APIError(
                 "All decode instances are busy; retry later.", 503, retry_after_s=opts.retry_after_s
             )
         raise APIError("No decode instance is reachable.", 503, retry_after_s=opts.retry_after_s)
+
+    async def _try(
+        self, route, job: ChildJob, child_id: str, processor: OutputProcessor, opts
+    ) -> tuple[ChildStream | None, int]:
+        """One decode: (its stream, 0) when it admitted the child, (None, 1) when it refused
+        (RESOURCE_EXHAUSTED), (None, 0) when unreachable; other failures raise."""
+        request = decode_pb2.GenerateRequest(
+            request_id=child_id,
+            transfer_id=uuid.uuid4().hex,  # one per attempt: each D owns its own blocks
+            prompt_token_ids=job.prompt_token_ids,
+            params=sampling_params_to_proto(job.params),
+            cache_salt=opts.cache_salt,
+            priority=opts.priority,
+            prefill=[
+                decode_pb2.PrefillTarget(
+                    address=p.address,
+                    instance_id=p.instance_id,
+                    registration=p.registration,
+                    predicted_prefill_s=predicted_s,
+                )
+                for p, predicted_s in zip(
+                    route.prefills, route.predicted_prefill_s or [0.0] * len(route.prefills)
+                )
+            ],
+        )
+        call = self.clients.stub(route.decode).Generate(request)
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self.router.report(route.decode, Outcome.UNAVAILABLE)
+                return None, 0
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self.router.report(route.decode, Outcome.REFUSED)
+                return None, 1
+            self.router.report(route.decode, Outcome.OK)
+            raise error_from_rpc(e) from e
+        except BaseException:
+            call.cancel()
+            raise
+        if first is grpc.aio.EOF:
+            raise APIError("Decode ended the stream without a response.", 500)
+        if first.WhichOneof("kind") == "error":
+            call.cancel()
+            if first.error.code == common_pb2.Error.RESOURCE_EXHAUSTED:
+                self.router.report(route.decode, Outcome.REFUSED)
+                return None, 1
+            self.router.report(route.decode, Outcome.OK)
+            raise error_from_event(first.error, opts.retry_after_s)
+        self.router.report(route.decode, Outcome.OK)
+        state = processor.add_request(child_id, job.prompt_token_ids, job.params)
+        return ChildStream(job, state, call, first, route.decode, self.clients), 0
 
 
 def error_from_event(error: common_pb2.Error, retry_after_s: int | None = None) -> APIError:

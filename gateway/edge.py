@@ -10,7 +10,7 @@ auth) → routes.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
@@ -18,7 +18,7 @@ from starlette.middleware.cors import CORSMiddleware
 from gateway.allowlist import OPTIONAL_ROUTES, ROUTES, EdgeMiddleware
 from gateway.auth import KeyStore, Principal, anonymous
 from gateway.config import GatewaySettings
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import Documents, GatewayMetrics
 from gateway.quota_service import QuotaService
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,8 @@ class Edge:
     metrics: GatewayMetrics
     quota: QuotaService
     metrics_address: tuple[str, int] | None = None  # where /metrics listens, once started
+    # Served next to /metrics (create_app adds /openapi.json): operators' documents.
+    internal_documents: Documents = field(default_factory=dict)
 
     @classmethod
     def from_settings(cls, settings: GatewaySettings, model_name: str) -> Edge:
@@ -83,7 +85,7 @@ class Edge:
         await self.quota.start()
         if self.settings.metrics_port is not None:
             self.metrics_address = self.metrics.start_server(
-                self.settings.metrics_host, self.settings.metrics_port
+                self.settings.metrics_host, self.settings.metrics_port, self.internal_documents
             )
 
     async def close(self) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,19 @@ _TYPES = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every error body (`APIError.body`), as the OpenAPI schema states it (gateway/openapi.py)."""
+
+    error: ErrorDetail
 
 
 class APIError(Exception):

@@ -5,6 +5,9 @@ own `tandem:*` for the edge. Each app has its own `CollectorRegistry`, so severa
 process (tests) do not collide. The exporter is prometheus-client's threaded HTTP server bound to
 `metrics_host` (127.0.0.1 by default); the public app has no `/metrics` route at all.
 
+The same internal port serves `/openapi.json` (gateway/openapi.py), for operators; the public
+port does not.
+
 Labels never carry keys or request data: `model_name`, `finished_reason`, `tenant` (a configured
 name, so cardinality is bounded by the key file) and small fixed `reason` sets.
 """
@@ -12,8 +15,10 @@ name, so cardinality is bounded by the key file) and small fixed `reason` sets.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
-from wsgiref.simple_server import WSGIServer
+from collections.abc import Callable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -21,8 +26,12 @@ from prometheus_client import (
     Gauge,
     Histogram,
     ProcessCollector,
-    start_http_server,
+    make_wsgi_app,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
+
+# Extra documents on the metrics port: path -> a function returning the JSON bytes.
+Documents = dict[str, Callable[[], bytes]]
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +98,19 @@ class GatewayMetrics:
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
-    def start_server(self, host: str, port: int) -> tuple[str, int]:
-        """Serve /metrics on host:port (0: any free port); returns the bound address."""
-        self._server, self._thread = start_http_server(port, host, registry=self.registry)
+    def start_server(
+        self, host: str, port: int, documents: Documents | None = None
+    ) -> tuple[str, int]:
+        """Serve /metrics (and `documents`) on host:port (0: any free port); returns the
+        bound address. prometheus-client's threaded WSGI server, quiet, in a daemon thread."""
+        app = _with_documents(make_wsgi_app(self.registry), documents or {})
+
+        class Server(ThreadingWSGIServer):
+            address_family = _address_family(host, port)
+
+        self._server = make_server(host, port, app, Server, handler_class=_QuietHandler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
         address = self._server.server_address[:2]
         logger.info("metrics on http://%s:%d/metrics (internal port)", *address)
         return address[0], address[1]
@@ -101,3 +120,32 @@ class GatewayMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+
+def _address_family(host: str, port: int) -> socket.AddressFamily:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    return infos[0][0]
+
+
+def _with_documents(metrics_app: Callable, documents: Documents) -> Callable:
+    """A WSGI app: GET of a document's path returns it as JSON, anything else goes to
+    prometheus-client's app (/metrics)."""
+
+    def app(environ: dict, start_response: Callable) -> list[bytes]:
+        make = documents.get(environ.get("PATH_INFO", ""))
+        if make is None:
+            return metrics_app(environ, start_response)
+        if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
+            start_response("405 Method Not Allowed", [("Allow", "GET")])
+            return [b""]
+        body = make()
+        headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+        start_response("200 OK", headers)
+        return [body] if environ["REQUEST_METHOD"] == "GET" else [b""]
+
+    return app

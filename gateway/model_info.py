@@ -1,8 +1,12 @@
 """What the gateway knows about the served model: tokenizer, context length, sampling defaults.
 
-The gateway never loads weights. It reads the same config files the engine reads, through the
-engine's own loaders, so that "max_model_len" and the generation-config defaults mean the same
-thing on both sides of the gRPC boundary.
+The gateway never loads weights, nor transformers or torch (a replica starts in about a second
+and idles small): it reads the same config files the engine reads, as JSON through the engine's
+own checks (`engine.hf_config.read_hf_config`), so that "max_model_len" and the
+generation-config defaults mean the same thing on both sides of the gRPC boundary; the tokenizer
+is `engine.light_tokenizer.LightTokenizer`, held to transformers' results by its tests. A folder
+whose tokenizer it cannot reproduce (remote code, a sentencepiece-only or model-specific class)
+falls back to transformers, with a warning: that replica then pays for torch.
 """
 
 from __future__ import annotations
@@ -10,14 +14,17 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedTokenizerBase
-
-from engine.hf_config import load_generation_config, load_hf_config
-from engine.tokenizer import load_tokenizer
+from engine.hf_config import load_generation_config, read_hf_config
+from engine.light_tokenizer import LightTokenizer, UnsupportedTokenizer
+from engine.tokenizer_files import load_light_tokenizer
 from engine.weights.hub import resolve_model_path
 from gateway.config import GatewaySettings
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +36,7 @@ _DEFAULT_MAX_MODEL_LEN = 2048
 class ModelInfo:
     served_model_names: tuple[str, ...]
     root: str  # the model argument as given (vLLM's `root`)
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: LightTokenizer | PreTrainedTokenizerBase
     max_model_len: int
     vocab_size: int
     generation_config: dict[str, Any]
@@ -46,7 +53,7 @@ class ModelInfo:
 
 def load_model_info(settings: GatewaySettings) -> ModelInfo:
     path = resolve_model_path(settings.model)
-    hf_config = load_hf_config(path)
+    hf_config = read_hf_config(path)
     derived_len = getattr(hf_config, "max_position_embeddings", None) or _DEFAULT_MAX_MODEL_LEN
     max_model_len = settings.max_model_len or derived_len
     if max_model_len > derived_len:
@@ -56,7 +63,7 @@ def load_model_info(settings: GatewaySettings) -> ModelInfo:
             f"max_model_len (max_position_embeddings={derived_len} in the model's config.json). "
             "Lower max_model_len."
         )
-    tokenizer = load_tokenizer(path, trust_remote_code=settings.trust_remote_code)
+    tokenizer = load_gateway_tokenizer(path, settings.trust_remote_code)
     logger.info(
         "serving %s from %s (max_model_len=%d)", settings.served_model_name, path, max_model_len
     )
@@ -68,3 +75,24 @@ def load_model_info(settings: GatewaySettings) -> ModelInfo:
         vocab_size=hf_config.vocab_size,
         generation_config=load_generation_config(path),
     )
+
+
+def load_gateway_tokenizer(
+    path: Path, trust_remote_code: bool = False
+) -> LightTokenizer | PreTrainedTokenizerBase:
+    """The light tokenizer, else (with a warning saying why) transformers' own."""
+    if not trust_remote_code:
+        try:
+            return load_light_tokenizer(path)
+        except UnsupportedTokenizer as e:
+            reason = str(e)
+    else:
+        reason = "--trust-remote-code"
+    logger.warning(
+        "the gateway loads transformers (and torch) for this tokenizer: %s; a replica starts "
+        "slower and idles larger",
+        reason,
+    )
+    from engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(path, trust_remote_code=trust_remote_code)

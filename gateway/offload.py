@@ -8,10 +8,13 @@ The event loop only moves bytes; everything whose cost grows with the request ru
   (`preprocess.check_bytes_fit`), and a prompt the tokenizer finds too long never has its ids
   turned into a Python list.
 Why these and not just "a thread": pydantic-core and the JSON parser hold the GIL for their
-whole call (measured: ~1 s to validate 200k messages), so a thread alone does not free the
-loop; the bounds keep each GIL-holding call short (tens of ms), and between calls the loop
-runs. A timed-out worker still finishes in the background (threads cannot be killed); the
-size bounds keep that finite.
+whole call (measured: ~1 s to validate 200k messages, ~110 ms for jiter to build them), so a
+thread alone does not free the loop; the bounds keep each GIL-holding call short (tens of ms),
+and between calls the loop runs. Bodies with many values (`SCAN_MIN_COMMAS`) are parsed by
+gateway/json_scan.py, which gives the GIL up between values and stops reading `messages` past
+the limit (bench/event_loop.py measures /health while such requests are refused). A timed-out
+worker still finishes in the background (threads cannot be killed); the size bounds keep that
+finite.
 """
 
 from __future__ import annotations
@@ -26,10 +29,19 @@ import pydantic_core
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from gateway.errors import bad_request
+from gateway.errors import APIError, bad_request
+from gateway.json_scan import TooManyMessages, loads_large
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
+
+# jiter builds a body in one call, holding the GIL ~0.1-0.2 us per value (~110 ms for 200k
+# messages), but copies a big string faster than anything (a 7.5 MB prompt: ~2 ms). So bodies
+# with many values (counted by their commas: every value after a container's first follows
+# one) go to json_scan, which yields the GIL between values (~10x slower per value); the rest,
+# and every small body, to jiter.
+SCAN_MIN_BYTES = 256 * 1024
+SCAN_MIN_COMMAS = 50_000
 
 
 class Preprocessor:
@@ -57,25 +69,37 @@ def parse_body(model: type[M], raw: bytes, max_messages: int) -> M:
     """The JSON body as `model`, with FastAPI's validation errors (the app's handler turns
     them into vLLM's 400s). Runs in the pool."""
     try:
-        data = pydantic_core.from_json(raw)  # ~7x faster than json.loads: less GIL held
-    except ValueError:
-        try:  # what jiter refuses and json accepts (lone surrogates: a precise 400 follows)
-            data = json.loads(raw)
-        except ValueError as e:
-            error = {"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error"}
-            raise RequestValidationError([{**error, "input": {}, "ctx": {"error": str(e)}}]) from e
+        data = _load(raw, max_messages)
+    except TooManyMessages:
+        raise _too_many_messages(f"more than {max_messages}", max_messages) from None
+    except ValueError as e:
+        error = {"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error"}
+        raise RequestValidationError([{**error, "input": {}, "ctx": {"error": str(e)}}]) from e
     messages = data.get("messages") if isinstance(data, dict) else None
     if isinstance(messages, list) and len(messages) > max_messages:
-        raise bad_request(
-            f"The request has {len(messages)} messages; this gateway accepts at most "
-            f"{max_messages}.",
-            "messages",
-        )
+        raise _too_many_messages(str(len(messages)), max_messages)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         errors = [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)]
         raise RequestValidationError(errors) from e
+
+
+def _load(raw: bytes, max_messages: int) -> Any:
+    if len(raw) > SCAN_MIN_BYTES and raw.count(b",") > SCAN_MIN_COMMAS:  # ~5 ms for 7 MB
+        return loads_large(raw, max_messages)
+    try:
+        return pydantic_core.from_json(raw)  # ~7x faster than json.loads: less GIL held
+    except ValueError:
+        # What jiter refuses and json accepts (lone surrogates: a precise 400 follows).
+        return json.loads(raw)
+
+
+def _too_many_messages(count: str, max_messages: int) -> APIError:
+    return bad_request(
+        f"The request has {count} messages; this gateway accepts at most {max_messages}.",
+        "messages",
+    )
 
 
 def openapi_body(model: type[BaseModel]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -58,8 +58,7 @@ class Unsupported:
         return f"{name} is not currently supported{what}; {self.allowed}."
 
 
-_STRUCTURED = "structured outputs are not implemented yet"
-_TOOLS = "tool calling is not implemented yet"
+_TOOLS = "OpenAI's deprecated functions API; use tools and tool_choice"
 _UNSET_OR_FALSE = Unsupported((None, False), "leave it unset or false")
 
 
@@ -68,6 +67,60 @@ class StreamOptions(BaseModel):
 
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
+
+
+# --- Structured outputs and tools (gateway/structured.py, gateway/chat_tools.py use them).
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`. `strict` changes nothing: the output always follows the
+    schema (vLLM ignores it too)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # `schema` shadows pydantic
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`; vLLM's `structural_tag` type carries its own keys
+    (`format`, or the legacy `structures` and `triggers`), kept as extras."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs` body: one constraint plus options. Keys vLLM's other
+    backends read (`whitespace_pattern`, `disable_additional_properties`, ...) are refused:
+    the engine runs xgrammar only."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_any_whitespace: bool = False
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatCompletionTool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class SamplingFields(BaseModel):
@@ -98,22 +151,28 @@ class SamplingFields(BaseModel):
     priority: Int32 = 0
     cache_salt: str | None = None
 
+    # token id (a string, as JSON keys are) -> bias added to its logit; checked and clamped to
+    # [-100, 100] by the route (gateway/extra_params.py), as vLLM does.
+    logit_bias: dict[str, float] | None = None
+    # vLLM: logprobs of every prompt token after the first, plus the top-k (-1: whole vocab).
+    prompt_logprobs: Int32 | None = None
+    # Structured outputs (gateway/structured.py): at most one constraint from these fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's deprecated spellings of structured_outputs' json, regex, choice, grammar, tag.
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structural_tag: str | None = None
+
     # NO_EFFECT
     user: str | None = None
 
     # UNSUPPORTED: typed Any so that any value reaches the check and its message.
-    logit_bias: Any = None
-    prompt_logprobs: Any = None
-    echo: Any = None
-    response_format: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
+    echo: Any = None  # completions implement it (CompletionRequest); chat's echo is refused
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
-    structural_tag: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     allowed_token_ids: Any = None
@@ -131,21 +190,18 @@ class SamplingFields(BaseModel):
         "user": "an end-user id for the provider's abuse monitoring; vLLM ignores it too",
     }
     UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {
-        "logit_bias": Unsupported((None, {}), "leave it unset or empty"),
-        # The engine computes prompt logprobs, but the decode proto does not carry the request.
-        "prompt_logprobs": Unsupported(),
         "echo": _UNSET_OR_FALSE,
-        "response_format": Unsupported(
-            (None, {"type": "text"}), 'leave it unset or {"type": "text"}', _STRUCTURED
+        # vLLM v1 refuses request-level backend selection; the engine's
+        # --structured-outputs-config.backend decides (xgrammar).
+        "guided_decoding_backend": Unsupported(
+            (None, "auto", "xgrammar"),
+            'leave it unset, "auto" or "xgrammar"',
+            "request-level structured output backend selection",
         ),
-        "structured_outputs": Unsupported(what=_STRUCTURED),
-        "guided_json": Unsupported(what=_STRUCTURED),
-        "guided_regex": Unsupported(what=_STRUCTURED),
-        "guided_choice": Unsupported(what=_STRUCTURED),
-        "guided_grammar": Unsupported(what=_STRUCTURED),
-        "guided_decoding_backend": Unsupported(what=_STRUCTURED),
-        "guided_whitespace_pattern": Unsupported(what=_STRUCTURED),
-        "structural_tag": Unsupported(what=_STRUCTURED),
+        "guided_whitespace_pattern": Unsupported(
+            what="xgrammar has no whitespace pattern; use structured_outputs "
+            '{"disable_any_whitespace": true}'
+        ),
         "use_beam_search": _UNSET_OR_FALSE,
         "length_penalty": Unsupported((None, 1, 1.0), "leave it unset or 1", "beam search only"),
         "allowed_token_ids": Unsupported(),
@@ -182,12 +238,27 @@ class SamplingFields(BaseModel):
             raise ValueError("Stream options can only be defined when `stream=True`.")
         return self
 
+    @model_validator(mode="after")
+    def _check_prompt_logprobs(self) -> SamplingFields:
+        # vLLM's checks and messages; vLLM lets prompt_logprobs=0 through with stream=True and
+        # then drops it, which would be a silent ignore here: any value is refused.
+        if self.prompt_logprobs is not None:
+            if self.stream:
+                raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+            if self.prompt_logprobs < 0 and self.prompt_logprobs != -1:
+                raise ValueError("`prompt_logprobs` must be a positive value or -1.")
+        return self
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Top logprobs per prompt token the engine must compute; None: no prompt logprobs."""
+        return self.prompt_logprobs
 
     def unsupported_field(self, allowed: frozenset[str] = frozenset()) -> tuple[str, str] | None:
         """The first field set to a value the gateway would ignore: (name, 400 message).
@@ -242,9 +313,17 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Int32 | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tools and reasoning (gateway/chat_tools.py, gateway/chat_output.py). `tool_choice` is
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}, checked
+    # with vLLM's messages by `chat_tools.check_tool_usage`.
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: only the first call is returned
+    include_reasoning: bool = True  # false: no reasoning_content (the parser still splits)
+    # A variable of the chat template (templates that read it, such as gpt-oss's, use it).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
     # NO_EFFECT
-    parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
@@ -252,16 +331,12 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_options: dict[str, Any] | None = None
 
     # UNSUPPORTED
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     continue_final_message: Any = None
     chat_template: Any = None
     documents: Any = None
     mm_processor_kwargs: Any = None
-    reasoning_effort: Any = None
-    include_reasoning: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -273,7 +348,6 @@ class ChatCompletionRequest(SamplingFields):
 
     NO_EFFECT: ClassVar[dict[str, str]] = {
         **SamplingFields.NO_EFFECT,
-        "parallel_tool_calls": "only qualifies `tools`, which is refused",
         "metadata": "tags for stored completions; nothing is stored (`store` is refused)",
         "safety_identifier": "an end-user id for the provider's abuse monitoring",
         "prompt_cache_key": "a cache-routing hint; routing here follows the cached blocks",
@@ -282,8 +356,6 @@ class ChatCompletionRequest(SamplingFields):
     }
     UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {
         **SamplingFields.UNSUPPORTED,
-        "tools": Unsupported((None, []), "leave it unset or empty", _TOOLS),
-        "tool_choice": Unsupported((None, "none"), 'leave it unset or "none"', _TOOLS),
         "functions": Unsupported((None, []), "leave it unset or empty", _TOOLS),
         "function_call": Unsupported((None, "none"), 'leave it unset or "none"', _TOOLS),
         "continue_final_message": _UNSET_OR_FALSE,
@@ -293,8 +365,6 @@ class ChatCompletionRequest(SamplingFields):
         ),
         "documents": Unsupported(),
         "mm_processor_kwargs": Unsupported(what="the model takes text only"),
-        "reasoning_effort": Unsupported(),
-        "include_reasoning": Unsupported((None, True), "leave it unset or true"),
         "audio": Unsupported(what="the model takes and produces text only"),
         "modalities": Unsupported((None, ["text"]), 'leave it unset or ["text"]'),
         "prediction": Unsupported(),
@@ -345,6 +415,8 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: Int32 | None = None
     add_special_tokens: bool = True
+    # The prompt text comes first in each choice's text (and its tokens in `logprobs`).
+    echo: bool | None = False
 
     # UNSUPPORTED
     suffix: Any = None
@@ -352,7 +424,7 @@ class CompletionRequest(SamplingFields):
     prompt_embeds: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {
-        **SamplingFields.UNSUPPORTED,
+        **{k: v for k, v in SamplingFields.UNSUPPORTED.items() if k != "echo"},
         "suffix": Unsupported(),
         "best_of": Unsupported(
             allowed="leave it unset (or 1 with n=1) and use n for several completions",
@@ -378,6 +450,21 @@ class CompletionRequest(SamplingFields):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def is_echo_only(self) -> bool:
+        """vLLM's echo_without_generation: `echo` with `max_tokens=0` returns the prompt (and
+        its logprobs) alone; the engine runs one token, which the response leaves out."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    def requested_max_tokens(self) -> int | None:
+        return 1 if self.is_echo_only else self.max_tokens
+
+    def num_prompt_logprobs(self) -> int | None:
+        # vLLM: with echo, the prompt's tokens get the logprobs asked for the output.
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
 
 def _find_lone_surrogate(body: dict[str, Any]) -> str | None:

@@ -76,6 +76,11 @@ class InstanceRegistry(ABC):
         """Start background refreshing (on the gateway's event loop)."""
         return None
 
+    async def refresh(self) -> bool:
+        """Re-read the source now (not at the next background refresh); False when there is
+        nothing to re-read or it failed."""
+        return False
+
     async def close(self) -> None:
         return None
 

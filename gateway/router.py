@@ -59,11 +59,18 @@ class Router(ABC):
     @abstractmethod
     def report(self, instance: Instance, outcome: Outcome) -> None: ...
 
+    registry: InstanceRegistry
+
     async def start(self) -> None:
         return None  # stateless by default
 
     async def close(self) -> None:
         return None
+
+    async def refresh_instances(self) -> bool:
+        """Re-read the instance registry now: when every known decode is unreachable, one may
+        have joined since the last background refresh (a rolling restart's replacement)."""
+        return await self.registry.refresh()
 
 
 class HealthMarks:

@@ -19,8 +19,16 @@ from typing import Any, TypeVar
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from gateway.dispatch import ChildStream, Dispatcher, RequestOptions, TokenDelta, merge
+from gateway.dispatch import (
+    ChildStream,
+    Dispatcher,
+    PromptLogprobs,
+    RequestOptions,
+    TokenDelta,
+    merge,
+)
 from gateway.errors import APIError
+from gateway.logprobs import TokenTexts, prompt_logprobs_body
 from gateway.preprocess import ChildJob
 from protos import common_pb2
 
@@ -47,11 +55,14 @@ class Choice:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     text_offset: int = 0  # completions logprobs: offset of the next token's text
+    prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, d: TokenDelta) -> None:
         self.text += d.text
         self.token_ids.extend(d.token_ids)
         self.logprobs.extend(d.logprobs)
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         if d.finish_reason is not None:
             self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
         self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)
@@ -92,6 +103,11 @@ class ResponseBuilder(ABC):
         if usage is not None:
             body["usage"] = usage
         return body
+
+    def prompt_logprobs(self, texts: TokenTexts, index: int = 0) -> list | None:
+        """vLLM's `prompt_logprobs` for choice `index`'s prompt; None unless requested."""
+        lp = self.choices[index].prompt_logprobs
+        return None if lp is None else prompt_logprobs_body(texts, lp.logprobs, lp.k)
 
     def usage(self) -> dict[str, Any]:
         num_prompt_tokens = sum(self.prompt_lens)

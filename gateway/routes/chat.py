@@ -8,8 +8,11 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from gateway.accounting import metered, reserve_estimate
+from gateway.chat_output import ChatOutput, request_parsers
+from gateway.chat_tools import resolve_tool_mode, template_request
 from gateway.deps import GatewayDep, PrincipalDep
 from gateway.dispatch import RequestOptions, TokenDelta
+from gateway.extra_params import shared_extra
 from gateway.logprobs import TokenTexts, chat_logprobs
 from gateway.offload import openapi_body, parse_body
 from gateway.preprocess import (
@@ -25,6 +28,7 @@ from gateway.preprocess import (
 )
 from gateway.protocol import ChatCompletionRequest
 from gateway.serving import Choice, ResponseBuilder, respond
+from gateway.structured import structured_extra
 
 router = APIRouter()
 
@@ -32,9 +36,17 @@ router = APIRouter()
 class ChatBuilder(ResponseBuilder):
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, *args: Any, num_logprobs: int | None, texts: TokenTexts):
+    def __init__(
+        self,
+        *args: Any,
+        num_logprobs: int | None,
+        texts: TokenTexts,
+        output: ChatOutput | None = None,
+    ):
         super().__init__(*args)
         self.num_logprobs, self.texts = num_logprobs, texts
+        self.output = output or ChatOutput()  # reasoning and tool calls (gateway/chat_output.py)
+        self.streams = [output.stream() for _ in self.choices]
 
     def _logprobs(self, logprobs: list) -> dict[str, Any] | None:
         if self.num_logprobs is None:
@@ -54,29 +66,35 @@ class ChatBuilder(ResponseBuilder):
 
     def chunk_choice(self, d: TokenDelta, choice: Choice) -> dict[str, Any] | None:
         has_logprobs = self.num_logprobs is not None and bool(d.logprobs)
-        if not d.text and d.finish_reason is None and not has_logprobs:
-            return None  # text held back (partial character or possible stop string)
+        stream = self.streams[d.index]
+        delta = stream.feed(d.text)
+        if d.finish_reason is not None:
+            delta = _joined(delta, stream.finish())
+        if not delta and d.finish_reason is None and not has_logprobs:
+            return None  # text held back (partial character, stop string or parser)
         entry = {
             "index": d.index,
-            "delta": {"content": d.text},
+            "delta": delta or {"content": ""},
             "logprobs": self._logprobs(d.logprobs) if has_logprobs else None,
-            "finish_reason": d.finish_reason,
+            "finish_reason": d.finish_reason and stream.finish_reason(d.finish_reason),
         }
         if d.finish_reason is not None:
             entry["stop_reason"] = d.stop_reason
         return entry
 
     def final_body(self) -> dict[str, Any]:
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text, "tool_calls": []},
-                "logprobs": self._logprobs(c.logprobs),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in self.choices
-        ]
+        choices = []
+        for c in self.choices:
+            message, finish_reason = self.output.message(c.text, c.finish_reason)
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": self._logprobs(c.logprobs),
+                    "finish_reason": finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return {
             "id": self.request_id,
             "object": "chat.completion",
@@ -84,7 +102,16 @@ class ChatBuilder(ResponseBuilder):
             "model": self.model,
             "choices": choices,
             "usage": self.usage(),
+            "prompt_logprobs": self.prompt_logprobs(self.texts),
         }
+
+
+def _joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two deltas as one: strings and lists concatenate."""
+    out = dict(first)
+    for key, value in then.items():
+        out[key] = out[key] + value if key in out else value
+    return out
 
 
 @router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
@@ -109,9 +136,18 @@ async def create_chat_completion(
         settings.retry_after_s,
     )
     num_logprobs = body.num_logprobs()
+    tool_parser, reasoning_parser = request_parsers(
+        settings.tool_call_parser, settings.reasoning_parser, gw.model.tokenizer
+    )
+    tools = resolve_tool_mode(body, settings, tool_parser)
+    extra = structured_extra(body, tools.schema, reasoning_parser)
+    if tools.kind != "none" and tool_parser is not None:
+        extra.update(tool_parser.adjust_request())
+    output = ChatOutput(tools, reasoning_parser, body.include_reasoning)
+    templated = template_request(body, settings)
 
     async def prepare() -> tuple[list[int], list]:
-        prompt = await pre.run(tokenize_chat, gw.model, body, chat_template)
+        prompt = await pre.run(tokenize_chat, gw.model, templated, chat_template)
         jobs = make_jobs(
             gw.model,
             body,
@@ -119,6 +155,7 @@ async def create_chat_completion(
             num_logprobs,
             settings.max_logprobs,
             max_tokens_cap=principal.limits.max_tokens,
+            extra={**shared_extra(gw.model, body, settings.max_logprobs), **extra},
         )
         return prompt, jobs
 
@@ -133,6 +170,7 @@ async def create_chat_completion(
         body.n,
         num_logprobs=num_logprobs,
         texts=gw.token_texts,
+        output=output,
     )
     return await metered(
         gw.edge,

@@ -3,8 +3,9 @@
 Why the real engine and not canned tokens: the gateway's detokenization, stop strings, usage
 and n>1 seeding are only proven right if the tokens are what a decode would really produce, so
 `Generate` calls `engine.LLM.generate` on the request's token ids with SamplingParams rebuilt
-from the proto, then streams the output one token per chunk. Knobs make it misbehave the ways
-a decode can: refuse (RESOURCE_EXHAUSTED, as a status or as an Error event), fail mid-stream
+from the proto, then streams the output one token per chunk (the first carrying the prompt
+logprobs when asked, as the decode service sends them). Knobs make it misbehave the ways a
+decode can: refuse (RESOURCE_EXHAUSTED, as a status or as an Error event), fail mid-stream
 (an Error event after some tokens), stream slowly (to test client disconnects).
 """
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine import LLM
-from engine.serving import sampling_params_from_proto
+from engine.serving import logprobs_to_proto, sampling_params_from_proto
 from protos import common_pb2, decode_pb2, decode_pb2_grpc
 
 # The services' own conversion: the fake must read requests exactly as a real decode does.
@@ -73,12 +74,17 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             error = common_pb2.Error(code=common_pb2.Error.RESOURCE_EXHAUSTED, message="full")
             yield decode_pb2.GenerateResponse(error=error)
             return
-        params = params_from_proto(request.params)
-        if self.knobs.max_tokens_cap is not None:
-            cap = min(params.max_tokens, self.knobs.max_tokens_cap)
-            params = dataclasses.replace(params, max_tokens=cap)
-        with self._engine_lock:
-            out = self.llm.generate([list(request.prompt_token_ids)], params)[0]
+        try:  # as the decode service: a ValueError (bad params, a grammar that does not
+            # compile) is INVALID_ARGUMENT, which the gateway answers with a 400
+            params = params_from_proto(request.params)
+            if self.knobs.max_tokens_cap is not None:
+                cap = min(params.max_tokens, self.knobs.max_tokens_cap)
+                params = dataclasses.replace(params, max_tokens=cap)
+            with self._engine_lock:
+                out = self.llm.generate([list(request.prompt_token_ids)], params)[0]
+        except ValueError as e:
+            ended.append(True)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         completion = out.outputs[0]
         stop = self._active[rid] = threading.Event()
         try:
@@ -91,6 +97,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
                 if stop.is_set():  # Abort
                     return
                 chunk = decode_pb2.TokenChunk(token_ids=[token])
+                if i == 0 and out.prompt_logprobs is not None:  # as the decode service does
+                    chunk.prompt_logprobs.extend(map(logprobs_to_proto, out.prompt_logprobs[1:]))
                 if completion.logprobs is not None:
                     lp = completion.logprobs[i]  # sampled token first, then the top-k
                     chunk.logprobs.append(

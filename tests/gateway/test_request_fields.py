@@ -60,6 +60,29 @@ IMPLEMENTED_SHARED = {
         "test_security::test_auth_off_keeps_vllm_cache_salt",
         "test_security::test_cache_salt_is_the_tenants",
     ],
+    "logit_bias": [
+        "test_eval_path::test_logit_bias_forces_a_token",
+        "test_eval_path::test_logit_bias_reaches_the_decode_clamped",
+    ],
+    # Structured outputs (test_structured_outputs.py).
+    "response_format": [
+        "test_structured_outputs::test_response_format_json_object_parses",
+        "test_structured_outputs::test_response_format_json_schema_validates",
+        "test_structured_outputs::test_completions_take_response_format_and_structured_outputs",
+    ],
+    "structured_outputs": [
+        "test_structured_outputs::test_structured_outputs_kinds_constrain_the_output",
+        "test_structured_outputs::test_completions_take_response_format_and_structured_outputs",
+    ],
+    "guided_json": ["test_structured_outputs::test_legacy_guided_fields_equal_structured_outputs"],
+    "guided_regex": ["test_structured_outputs::test_legacy_guided_fields_equal_structured_outputs"],
+    "guided_choice": [
+        "test_structured_outputs::test_legacy_guided_fields_equal_structured_outputs"
+    ],
+    "guided_grammar": [
+        "test_structured_outputs::test_legacy_guided_fields_equal_structured_outputs"
+    ],
+    "structural_tag": ["test_structured_outputs::test_structural_tag_reaches_the_decode"],
 }
 IMPLEMENTED = {
     CHAT: {
@@ -69,31 +92,43 @@ IMPLEMENTED = {
         "logprobs": ["test_chat::test_logprobs"],
         "top_logprobs": ["test_chat::test_logprobs"],
         "add_generation_prompt": ["test_field_effects::test_add_generation_prompt"],
+        "prompt_logprobs": ["test_eval_path::test_prompt_logprobs_chat"],
         "chat_template_kwargs": ["test_field_effects::test_chat_template_kwargs"],
+        # Tools and reasoning (test_tools.py, test_reasoning.py).
+        "tools": [
+            "test_tools::test_tools_and_tool_messages_are_rendered_by_the_template",
+            "test_tools::test_required_tool_choice_gives_calls_matching_the_schema",
+        ],
+        "tool_choice": [
+            "test_tools::test_required_tool_choice_gives_calls_matching_the_schema",
+            "test_tools::test_named_tool_choice_gives_that_tool_call",
+            "test_tools::test_auto_hermes_calls_streamed_and_not",
+            "test_tools::test_auto_needs_the_flags",
+        ],
+        "parallel_tool_calls": ["test_tools::test_parallel_tool_calls_false_keeps_the_first"],
+        "include_reasoning": ["test_reasoning::test_include_reasoning_false_drops_it"],
+        "reasoning_effort": ["test_reasoning::test_reasoning_effort_reaches_the_template"],
     },
     COMPLETIONS: {
         **IMPLEMENTED_SHARED,
         "prompt": ["test_completions::test_text_prompt_matches_offline"],
         "logprobs": ["test_completions::test_logprobs"],
         "add_special_tokens": ["test_field_effects::test_add_special_tokens"],
+        "prompt_logprobs": ["test_eval_path::test_prompt_logprobs_completions"],
+        "echo": [
+            "test_eval_path::test_echo_prepends_the_prompt",
+            "test_eval_path::test_echo_logprobs_equal_transformers",
+            "test_eval_path::test_max_tokens_zero_with_echo_returns_the_prompt_only",
+        ],
     },
 }
 
 # For every UNSUPPORTED field, values that must be refused ...
 _TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 REFUSED_EXAMPLES = {
-    "logit_bias": [{"5": 10}],
-    "prompt_logprobs": [1, 0],
-    "echo": [True, 1],
-    "response_format": [{"type": "json_object"}, {"type": "json_schema", "json_schema": {}}],
-    "structured_outputs": [{"json": {"type": "object"}}],
-    "guided_json": [{"type": "object"}],
-    "guided_regex": ["a+"],
-    "guided_choice": [["yes", "no"]],
-    "guided_grammar": ['root ::= "a"'],
-    "guided_decoding_backend": ["xgrammar"],
+    "echo": [True, 1],  # chat (completions implement it)
+    "guided_decoding_backend": ["outlines", "guidance"],
     "guided_whitespace_pattern": [" "],
-    "structural_tag": ['{"structures": []}'],
     "use_beam_search": [True],
     "length_penalty": [0.5],
     "allowed_token_ids": [[5, 6]],
@@ -107,16 +142,12 @@ REFUSED_EXAMPLES = {
     "kv_transfer_params": [{"do_remote_prefill": True}],
     "vllm_xargs": [{"a": 1}],
     # chat
-    "tools": [[_TOOL]],
-    "tool_choice": ["auto", "required", {"type": "function", "function": {"name": "f"}}],
     "functions": [[{"name": "f", "parameters": {}}]],
     "function_call": ["auto", {"name": "f"}],
     "continue_final_message": [True],
     "chat_template": ["{{ 'x' }}"],
     "documents": [[{"title": "t", "text": "d"}]],
     "mm_processor_kwargs": [{"a": 1}],
-    "reasoning_effort": ["low"],
-    "include_reasoning": [False],
     "audio": [{"voice": "alloy", "format": "wav"}],
     "modalities": [["text", "audio"]],
     "prediction": [{"type": "content", "content": "x"}],
@@ -132,21 +163,17 @@ REFUSED_EXAMPLES = {
 }
 # ... and values that change nothing, so are accepted (besides null, always accepted).
 NOOP_EXAMPLES = {
-    "logit_bias": {},
     "echo": False,
-    "response_format": {"type": "text"},
+    "guided_decoding_backend": "xgrammar",
     "use_beam_search": False,
     "length_penalty": 1,
     "bad_words": [],
     "spaces_between_special_tokens": True,
     "return_tokens_as_token_ids": False,
     "return_token_ids": False,
-    "tools": [],
-    "tool_choice": "none",
     "functions": [],
     "function_call": "none",
     "continue_final_message": False,
-    "include_reasoning": True,
     "modalities": ["text"],
     "store": False,
     "service_tier": "auto",
@@ -154,7 +181,6 @@ NOOP_EXAMPLES = {
 }
 NO_EFFECT_EXAMPLES = {
     "user": "user-1234",
-    "parallel_tool_calls": False,
     "metadata": {"team": "qa"},
     "safety_identifier": "hashed-user",
     "prompt_cache_key": "conversation-7",
@@ -249,24 +275,22 @@ def test_best_of_must_match_n_of_one(gateway_url):
 
 def test_sdk_raises_bad_request_naming_the_field(client):
     messages = [{"role": "user", "content": "Hi"}]
-    with pytest.raises(openai.BadRequestError, match="tools is not currently supported"):
-        client.chat.completions.create(model=SERVED_NAME, messages=messages, tools=[_TOOL])
-    with pytest.raises(openai.BadRequestError, match="response_format is not currently"):
+    with pytest.raises(openai.BadRequestError, match="functions is not currently supported"):
         client.chat.completions.create(
-            model=SERVED_NAME, messages=messages, response_format={"type": "json_object"}
+            model=SERVED_NAME, messages=messages, functions=[_TOOL["function"]]
         )
-    with pytest.raises(openai.BadRequestError, match="logit_bias is not currently supported"):
-        client.completions.create(model=SERVED_NAME, prompt="x", logit_bias={"5": 100})
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=SERVED_NAME, prompt="x", suffix="!")
     assert info.value.body["message"].startswith("suffix is not currently supported")
     with pytest.raises(openai.BadRequestError, match="echo is not currently supported"):
-        client.completions.create(model=SERVED_NAME, prompt="x", echo=True)
+        client.chat.completions.create(
+            model=SERVED_NAME, messages=messages, extra_body={"echo": True}
+        )
     with pytest.raises(openai.BadRequestError, match="best_of is not currently supported"):
         client.completions.create(model=SERVED_NAME, prompt="x", best_of=2)
-    with pytest.raises(openai.BadRequestError, match="guided_json is not currently supported"):
+    with pytest.raises(openai.BadRequestError, match="guided_decoding_backend is not curr"):
         client.completions.create(
-            model=SERVED_NAME, prompt="x", extra_body={"guided_json": {"type": "object"}}
+            model=SERVED_NAME, prompt="x", extra_body={"guided_decoding_backend": "outlines"}
         )
 
 

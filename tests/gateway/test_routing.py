@@ -8,7 +8,10 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import SERVED_NAME
+from gateway.app import build_state, create_app
+from gateway.config import GatewaySettings
+from gateway.registry import Instance, StaticRegistry
+from tests.gateway.conftest import MAX_MODEL_LEN, SERVED_NAME, serve
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
@@ -83,3 +86,43 @@ def test_children_spread_over_decodes_with_prefill_list(gateway_for, fakes):
     orders = sorted([p.address for p in r.prefill] for r in requests)
     assert orders == [prefills, prefills[::-1]]
     assert sorted(r.request_id.split("_")[0] for r in requests) == ["0", "1"]
+
+
+class _JoiningRegistry(StaticRegistry):
+    """Knows only an unreachable decode until it is re-read: then a reachable one has joined
+    (a rolling restart's replacement the background refresh has not seen yet)."""
+
+    def __init__(self, dead: str, joining: str):
+        super().__init__([dead])
+        self.joining, self.num_refreshes = joining, 0
+
+    async def refresh(self) -> bool:
+        self.num_refreshes += 1
+        self._decodes = (*self._decodes, Instance(self.joining, self.joining))
+        return True
+
+
+def test_every_decode_unreachable_rereads_the_registry_once(tiny_qwen3_path, model_info, fakes):
+    (fake, address), dead = fakes[0], _dead_address()
+    settings = GatewaySettings(
+        model=str(tiny_qwen3_path), served_model_name=[SERVED_NAME], max_model_len=MAX_MODEL_LEN
+    )
+    registry = _JoiningRegistry(dead, address)
+    state = build_state(settings, model=model_info, registry=registry)
+    with serve(create_app(settings, state)) as url:
+        assert _ask(_client(url)).choices[0].finish_reason is not None
+    assert registry.num_refreshes == 1
+    assert len(fake.record.requests) == 1
+
+
+def test_no_decode_after_the_reread_is_still_503(tiny_qwen3_path, model_info):
+    settings = GatewaySettings(
+        model=str(tiny_qwen3_path), served_model_name=[SERVED_NAME], max_model_len=MAX_MODEL_LEN
+    )
+    registry = _JoiningRegistry(_dead_address(), _dead_address())
+    with serve(
+        create_app(settings, build_state(settings, model=model_info, registry=registry))
+    ) as url:
+        with pytest.raises(openai.InternalServerError, match="No decode instance is reachable"):
+            _ask(_client(url))
+    assert registry.num_refreshes == 1  # once, not in a loop
