@@ -16,6 +16,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 from engine.internal_auth import ENV_TOKEN
 from engine.ports import bind_error
 from engine.registry import REDIS_URL_ENV, resolve_redis_url
+from gateway.reasoning import REASONING_PARSERS
+from gateway.tool_parsers import TOOL_PARSERS
 from tandem.supervisor import GiveUpError, Supervisor
 
 logger = logging.getLogger(__name__)
@@ -138,7 +141,36 @@ SERVE_ONLY: dict[str, tuple[object, str]] = {
         None,
         f"quotas, registry and block index in Redis; no password here (use ${REDIS_URL_ENV})",
     ),
+    "--metrics-port": (
+        None,
+        "Prometheus /metrics on loopback: the gateway on this port, the services on the next "
+        "ones in start order (0: free ports); the URLs are printed at start-up; off if unset",
+    ),
 }
+SERVE_TYPES = {"--metrics-port": int}
+
+
+# The gateway's own flags: `tandem serve` passes them to its gateway only (vLLM's names).
+GATEWAY_SWITCHES: dict[str, str] = {
+    "--enable-auto-tool-choice": 'allow tool_choice "auto" (needs --tool-call-parser)',
+    "--enable-tokenizer-endpoints": "serve POST /tokenize and /detokenize",
+    "--trust-request-chat-template": "let requests pass their own chat_template",
+    "--exclude-tools-when-tool-choice-none": 'leave tools out of the prompt for tool_choice "none"',
+}
+GATEWAY_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
+    "--tool-call-parser": (tuple(TOOL_PARSERS), "how tool calls are read from the model's text"),
+    "--reasoning-parser": (tuple(REASONING_PARSERS), "split <think> into reasoning_content"),
+}
+
+
+def gateway_flags(args: argparse.Namespace) -> list[str]:
+    """The gateway flags of a parsed `tandem serve` command line, as the gateway takes them."""
+    out = []
+    for flag in GATEWAY_VALUES:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            out += [flag, value]
+    return out + [f for f in GATEWAY_SWITCHES if getattr(args, f[2:].replace("-", "_"))]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,8 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_args(parser)  # validated here, passed on to every service as given
     for flag, (default, help_text) in SERVE_ONLY.items():
-        kind = type(default) if default is not None else str
+        kind = SERVE_TYPES.get(flag) or (type(default) if default is not None else str)
         parser.add_argument(flag, type=kind, default=default, help=help_text)
+    for flag, (choices, help_text) in GATEWAY_VALUES.items():
+        parser.add_argument(flag, choices=choices, default=None, help=f"gateway: {help_text}")
+    for flag, help_text in GATEWAY_SWITCHES.items():
+        parser.add_argument(flag, action="store_true", help=f"gateway: {help_text}")
     parser.add_argument(
         "--kv-backend",
         default="ucx",
@@ -164,7 +200,9 @@ def serve_main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    engine_args = _without(argv, SERVE_ONLY)
+    engine_args = _without(argv, {**SERVE_ONLY, **GATEWAY_VALUES}, switches=GATEWAY_SWITCHES)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     if args.num_decode < 1 or args.num_prefill < 0:
         parser.error("need --num-decode >= 1 and --num-prefill >= 0")
     try:
@@ -173,6 +211,10 @@ def serve_main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     # Before any model loads: a taken port is one line now, not a traceback in a minute.
     error = bind_error(args.host, args.port)
+    roles = ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
+    metrics_ports = _metrics_ports(args.metrics_port, 1 + len(roles))
+    for metrics_port in metrics_ports if args.metrics_port else ():
+        error = error or bind_error(METRICS_HOST, metrics_port)
     if error is not None:
         print(f"tandem serve: {error}", file=sys.stderr)
         return 1
@@ -194,15 +236,15 @@ def serve_main(argv: list[str] | None = None) -> int:
         # The URL (it may hold a password) reaches the children by environment, never argv.
         if redis_url:
             os.environ[REDIS_URL_ENV] = redis_url
-        roles = ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
         shares = gpu_memory_shares(args, argv, len(roles))
+        metrics = [_metrics_flags(p) for p in metrics_ports]
         started = [
-            cluster.start(role, svc + share, stopping=stopping)
-            for role, share in zip(roles, shares)
+            cluster.start(role, svc + share + m, stopping=stopping)
+            for role, share, m in zip(roles, shares, metrics[1:])
         ]
-        for child in started:
+        for child, m in zip(started, metrics[1:]):
             # A replacement starts while all the others run: it gets the last (whole) share.
-            supervisor.watch(child, _on_port(svc + shares[-1], child.address))
+            supervisor.watch(child, _on_port(svc + shares[-1] + m, child.address))
         prefills, decodes = started[: args.num_prefill], started[args.num_prefill :]
         instances = (
             []
@@ -223,6 +265,8 @@ def serve_main(argv: list[str] | None = None) -> int:
             *instances,
             *(["--served-model-name", args.served_model_name] if args.served_model_name else []),
             *_passthrough(engine_args, ("--max-model-len",)),
+            *gateway_flags(args),
+            *metrics[0],
         ]
         gateway = cluster.start("gateway", gw_args, stopping=stopping)
         supervisor.watch(gateway, _on_port(gw_args, gateway.address))
@@ -232,6 +276,10 @@ def serve_main(argv: list[str] | None = None) -> int:
             f"({args.num_prefill} prefill, {args.num_decode} decode)",
             flush=True,
         )
+        if args.metrics_port is not None:
+            names = ["gateway", *(f"{r} {roles[:i].count(r)}" for i, r in enumerate(roles))]
+            urls = [f"{n} http://{METRICS_HOST}:{p}/metrics" for n, p in zip(names, metrics_ports)]
+            print("Metrics: " + ", ".join(urls), flush=True)
         while not stopping.wait(0.5):
             supervisor.tick()
         return 0
@@ -243,6 +291,31 @@ def serve_main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         cluster.stop()
+
+
+METRICS_HOST = "127.0.0.1"  # metrics stay off the public address
+
+
+def _metrics_ports(first: int | None, n: int) -> list[int]:
+    """Prometheus ports of the gateway and the n - 1 services: consecutive from `first`, or
+    free ones for 0 (fixed here, so a restarted child keeps its port); none if unset."""
+    if first is None:
+        return [0] * n
+    if first:
+        return list(range(first, first + n))
+    ports, held = [], []
+    for _ in range(n):  # hold each until all are chosen, so none is picked twice
+        s = socket.socket()
+        s.bind((METRICS_HOST, 0))
+        held.append(s)
+        ports.append(s.getsockname()[1])
+    for s in held:
+        s.close()
+    return ports
+
+
+def _metrics_flags(port: int) -> list[str]:
+    return ["--metrics-port", str(port)] if port else []
 
 
 def gpu_memory_shares(args: argparse.Namespace, argv: list[str], n: int) -> list[list[str]]:
@@ -268,12 +341,15 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _without(argv: list[str], flags) -> list[str]:
-    """`argv` minus the given flags and their values (`--flag v` or `--flag=v`)."""
+def _without(argv: list[str], flags, switches=()) -> list[str]:
+    """`argv` minus the given flags and their values (`--flag v` or `--flag=v`), and minus
+    the given `switches` (flags without a value)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
+        elif a in switches:
+            continue
         elif a in flags:
             skip = True
         elif not any(a.startswith(f + "=") for f in flags):

@@ -1,0 +1,164 @@
+"""The server against the engine on the H200: `tandem bench serve` through `tandem serve` vs the
+offline engine on the same workload, in one run (issue "The server as fast as the engine").
+
+Workload: Qwen3-8B shape, dummy bf16 weights, the real Qwen vocabulary, N random prompts of 512
+tokens in / 128 out with ignore_eos, `--max-num-seqs 256 --max-num-batched-tokens 8192`.
+1. offline: `LLM.generate` on the same token counts (the engine's own figure);
+2. for each mode, 1P+1D (both on the one GPU) and colocated (`--num-prefill 0`): start
+   `tandem serve`, then `tandem bench serve` at each concurrency; record output tok/s, errors,
+   TTFT and ITL percentiles next to the offline figure.
+
+    TRITON_INTERPRET=0 python -m bench.serve_gpu --out-dir bench/results
+Writes `serve_gpu-<date>.json` ({"offline_output_tok_s", "modes": {mode: {concurrency: ...}}})
+and the per-point bench results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from bench.common import print_table, write_result
+from bench.structured_output import QWEN3_8B, make_model_dir
+
+POINT_TIMEOUT_S = 240
+ENGINE_FLAGS = [
+    "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "1024",
+    "--max-num-seqs", "256", "--max-num-batched-tokens", "8192",
+]  # fmt: skip
+
+
+def offline_tok_s(path: Path, n: int) -> float:
+    code = (
+        "import time, torch, random\n"
+        "from engine import LLM, SamplingParams\n"
+        f"llm = LLM({str(path)!r}, load_format='dummy', dtype='bfloat16', max_model_len=1024,"
+        " max_num_seqs=256, max_num_batched_tokens=8192, skip_tokenizer_init=True)\n"
+        "rng = random.Random(3)\n"
+        f"prompts = [{{'prompt_token_ids': [rng.randrange(150000) for _ in range(512)]}}"
+        f" for _ in range({n})]\n"
+        "llm.generate(prompts[:64], SamplingParams(temperature=0, max_tokens=8))\n"
+        "p = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)\n"
+        "torch.cuda.synchronize(); t = time.perf_counter()\n"
+        "outs = llm.generate(prompts, p)\n"
+        "torch.cuda.synchronize(); wall = time.perf_counter() - t\n"
+        "print('OFFLINE', sum(len(o.outputs[0].token_ids) for o in outs) / wall)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("OFFLINE"))
+    return float(line.split()[1])
+
+
+def start_serve(path: Path, num_prefill: int, port: int) -> tuple[subprocess.Popen, list[str]]:
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", str(path), *ENGINE_FLAGS,
+           "--num-prefill", str(num_prefill), "--port", str(port)]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    lines: list[str] = []
+    deadline = time.monotonic() + 400
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("Tandem is serving"):
+            # Keep reading the services' log (a full pipe would block them); kept for failures.
+            threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+            return proc, lines
+        if time.monotonic() > deadline:
+            break
+    stop_serve(proc)
+    raise RuntimeError("tandem serve did not come up:\n" + "".join(lines[-40:]))
+
+
+def stop_serve(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def bench_point(path: Path, port: int, concurrency: int, n: int, out_dir: Path, label: str):
+    name = f"{label}-c{concurrency}.json"
+    cmd = [
+        sys.executable, "-m", "tandem.cli", "bench", "serve", "--backend", "openai",
+        "--base-url", f"http://127.0.0.1:{port}", "--model", str(path),
+        "--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "128",
+        "--random-range-ratio", "0", "--num-prompts", str(n), "--max-concurrency",
+        str(concurrency), "--ignore-eos", "--seed", "0", "--disable-tqdm",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+        "--save-result", "--result-dir", str(out_dir), "--result-filename", name,
+    ]  # fmt: skip
+    t = time.monotonic()
+    subprocess.run(cmd, check=True, timeout=POINT_TIMEOUT_S, capture_output=True, text=True)
+    print(f"{label} c={concurrency}: {time.monotonic() - t:.0f} s", flush=True)
+    return json.loads((out_dir / name).read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--concurrency", default="64,256,512")
+    ap.add_argument("--modes", default="pd,colocated")
+    ap.add_argument("--no-offline", dest="offline", action="store_false")
+    args = ap.parse_args()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_model_dir(Path(tmp), QWEN3_8B)
+        t = time.monotonic()
+        offline = offline_tok_s(path, args.num_prompts) if args.offline else 0.0
+        print(f"offline {offline:.0f} tok/s ({time.monotonic() - t:.0f} s)", flush=True)
+        modes: dict[str, dict] = {}
+        rows = []
+        for mode in args.modes.split(","):
+            port = 8100 + len(modes)
+            t = time.monotonic()
+            proc, log = start_serve(path, 1 if mode == "pd" else 0, port)
+            print(f"{mode}: serving after {time.monotonic() - t:.0f} s", flush=True)
+            try:
+                modes[mode] = {}
+                for c in map(int, args.concurrency.split(",")):
+                    r = bench_point(path, port, c, args.num_prompts, out_dir, f"serve_gpu-{mode}")
+                    point = {
+                        "output_tok_s": r["output_throughput"],
+                        "ratio_to_offline": r["output_throughput"] / offline if offline else None,
+                        "errors": r["failed"],
+                        "ttft_p50_ms": r["median_ttft_ms"],
+                        "ttft_p99_ms": r["p99_ttft_ms"],
+                        "itl_p50_ms": r["median_itl_ms"],
+                        "itl_p99_ms": r["p99_itl_ms"],
+                        "tpot_p50_ms": r["median_tpot_ms"],
+                    }
+                    modes[mode][str(c)] = point
+                    p = point
+                    rows.append([mode, c, f"{p['output_tok_s']:.0f}",
+                                 f"{p['ratio_to_offline'] or 0:.2f}", p["errors"],
+                                 f"{p['ttft_p50_ms']:.0f}/{p['ttft_p99_ms']:.0f}",
+                                 f"{p['itl_p50_ms']:.1f}/{p['itl_p99_ms']:.1f}"])  # fmt: skip
+                    print(mode, c, json.dumps(point), flush=True)
+            except subprocess.TimeoutExpired:
+                print("".join(log[-60:]), flush=True)
+                raise
+            finally:
+                stop_serve(proc)
+    config = {"model_shape": "qwen3-8b", "engine_flags": ENGINE_FLAGS,
+              "num_prompts": args.num_prompts, "input_len": 512, "output_len": 128}  # fmt: skip
+    summary = {"offline_output_tok_s": offline, "modes": modes}
+    path = write_result("serve_gpu", config, summary, out_dir)
+    path.write_text(json.dumps({**summary, **json.loads(path.read_text())}, indent=2) + "\n")
+    header = ("mode", "conc", "out tok/s", "/offline", "errors", "TTFT p50/p99", "ITL p50/p99")
+    print_table([tuple(map(str, r)) for r in rows], header)
+
+
+if __name__ == "__main__":
+    main()
