@@ -258,7 +258,10 @@ class Dispatcher:
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
+            # CANCELLED here is the server's (a local cancel raises CancelledError): a
+            # decode that stops (drain, shutdown) cancels calls it had not started. Nothing
+            # was sent to the client yet, so another decode may take the request.
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                 self.router.report(route.decode, Outcome.UNAVAILABLE)
                 return None, 0
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -31,6 +31,7 @@ params_from_proto = sampling_params_from_proto
 class Knobs:
     refuse: bool = False  # abort Generate with RESOURCE_EXHAUSTED
     refuse_as_event: bool = False  # ... or answer with an Error(RESOURCE_EXHAUSTED) event
+    cancel: bool = False  # end Generate with CANCELLED before any message (a stopping server)
     fail_after_tokens: int | None = None  # send Error(DECODE_FAILED) after this many tokens
     token_delay_s: float = 0.0
     max_tokens_cap: int | None = None  # generate at most this many (the request is recorded as is)
@@ -69,6 +70,9 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         if self.knobs.refuse:
             ended.append(True)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode queue is full")
+        if self.knobs.cancel:
+            ended.append(True)
+            context.abort(grpc.StatusCode.CANCELLED, "server is shutting down")
         if self.knobs.refuse_as_event:
             ended.append(True)
             error = common_pb2.Error(code=common_pb2.Error.RESOURCE_EXHAUSTED, message="full")

@@ -55,6 +55,16 @@ def test_refusing_decode_falls_over_to_the_next(gateway_for, fakes):
     assert len(set(transfer_ids)) == len(transfer_ids)
 
 
+def test_decode_cancelling_before_its_first_message_falls_over(gateway_for, fakes):
+    """A decode that is stopping cancels calls it had not started (grpc's server.stop): no
+    token was sent, so the request goes to the next decode instead of failing with a 500."""
+    (stopping, stopping_addr), (ok, ok_addr) = fakes
+    stopping.knobs.cancel = True
+    with gateway_for(decode=[stopping_addr, ok_addr]) as url:
+        assert _ask(_client(url)).choices[0].finish_reason is not None
+    assert len(stopping.record.requests) == 1 and len(ok.record.requests) == 1
+
+
 def test_all_refusing_is_503(gateway_for, fakes):
     for fake, _ in fakes:
         fake.knobs.refuse = True
