@@ -53,7 +53,9 @@ SHAPES = {
 }
 
 
-def make_config_dir(name: str, root: Path) -> Path:
+def make_config_dir(name: str, root: Path, shape: dict | None = None, **config) -> Path:
+    """`root/name` with a Qwen3 config.json (weights come from `load_format="dummy"`): the
+    shape `SHAPES[name]` unless one is given; `config` adds Qwen3Config fields."""
     cfg = Qwen3Config(
         vocab_size=151936,
         max_position_embeddings=40960,
@@ -61,7 +63,8 @@ def make_config_dir(name: str, root: Path) -> Path:
         rope_theta=1_000_000.0,
         architectures=["Qwen3ForCausalLM"],
         dtype="bfloat16",
-        **SHAPES[name],
+        **(shape or SHAPES[name]),
+        **config,
     )
     path = root / name
     cfg.save_pretrained(path)

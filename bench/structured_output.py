@@ -27,9 +27,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedTokenizerFast, Qwen3Config
+from transformers import PreTrainedTokenizerFast
 
 from bench.common import RESULTS_DIR, machine_info, print_table, write_result
+from bench.gpu_engine import SHAPES, make_config_dir
 from engine import LLM, SamplingParams
 from engine.request import Request
 from engine.sampling_params import StructuredOutputsParams
@@ -42,15 +43,7 @@ QWEN3_SPECIAL_TOKENS = [  # ids 151643.. in Qwen3's tokenizer, in this order
     "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>",
     "</think>",
 ]  # fmt: skip
-QWEN3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    tie_word_embeddings=False,
-)
+QWEN3_8B = SHAPES["qwen3-8b"]
 TINY = dict(
     hidden_size=128,
     intermediate_size=256,
@@ -107,18 +100,7 @@ def qwen3_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def make_model_dir(root: Path, shape: dict) -> Path:
-    cfg = Qwen3Config(
-        vocab_size=151936,
-        max_position_embeddings=40960,
-        rms_norm_eps=1e-6,
-        rope_theta=1_000_000.0,
-        architectures=["Qwen3ForCausalLM"],
-        dtype="bfloat16",
-        eos_token_id=151645,
-        **shape,
-    )
-    path = root / "qwen3"
-    cfg.save_pretrained(path)
+    path = make_config_dir("qwen3", root, shape, eos_token_id=151645)
     qwen3_tokenizer().save_pretrained(path)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
     return path
