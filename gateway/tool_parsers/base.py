@@ -18,12 +18,15 @@ gateway then refuses to start); `adjust_request` names SamplingParams overrides 
 
 from __future__ import annotations
 
+import logging
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from gateway.tool_parsers.json_stream import CallStreamer, CallUpdate
+from gateway.tool_parsers.json_stream import CallStreamer, CallUpdate, JsonStreamError
+
+logger = logging.getLogger(__name__)
 
 
 class ToolParserError(ValueError):
@@ -103,6 +106,46 @@ class ToolStreamer(ABC):
     @abstractmethod
     def finish(self) -> StreamDelta:
         """The output ended: flush what was held back."""
+
+
+class CallsStreamer(ToolStreamer):
+    """A streamer whose calls are JSON objects read through one `CallSequence`. Its state
+    machine keeps `state` and the unread text `buf`; the "call" state (inside a call's JSON) is
+    `_feed_call` and `_finish_call`, and a call that does not parse sends the streamer to
+    "broken" (the rest is dropped, as vLLM's streaming does)."""
+
+    log_name: ClassVar[str]  # names the parser in its warnings
+
+    def __init__(self, state: str, argument_keys: tuple[str, ...]) -> None:
+        self.state, self.buf = state, ""
+        self.calls = CallSequence(argument_keys)
+
+    @property
+    def tools_called(self) -> bool:
+        return self.calls.num_sent > 0
+
+    def _feed_call(self, out: StreamDelta, next_state: str) -> None:
+        """State "call": the buffer's deltas go to `out`. When the call closes, `buf` holds what
+        follows it and the state is `next_state`; otherwise `buf` is empty (all taken, or the
+        call did not parse and the state is "broken")."""
+        try:
+            deltas, end = self.calls.feed(self.buf)
+        except JsonStreamError as e:
+            logger.warning("%s: a streamed tool call does not parse: %s", self.log_name, e)
+            self.buf, self.state = "", "broken"
+            return
+        out.tool_calls += deltas
+        if end is None:
+            self.buf = ""
+        else:
+            self.buf, self.state = self.buf[end:], next_state
+
+    def _finish_call(self, out: StreamDelta) -> None:
+        """The output ended inside a call: what the call still holds goes to `out`."""
+        try:
+            out.tool_calls += self.calls.finish()
+        except JsonStreamError as e:
+            logger.warning("%s: a streamed tool call does not parse: %s", self.log_name, e)
 
 
 class ToolParser(ABC):

@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from gateway.tool_parsers.base import (
-    CallSequence,
+    CallsStreamer,
     ExtractedToolCalls,
     StreamDelta,
     ToolCall,
@@ -22,7 +22,6 @@ from gateway.tool_parsers.base import (
     ToolStreamer,
     make_tool_call_id,
 )
-from gateway.tool_parsers.json_stream import JsonStreamError
 
 logger = logging.getLogger(__name__)
 
@@ -110,17 +109,13 @@ class NamedStreamer(ToolStreamer):
         return StreamDelta() if self._is_sent else self.feed("")
 
 
-class RequiredStreamer(ToolStreamer):
+class RequiredStreamer(CallsStreamer):
     """`[` call (`,` call)* `]`. States: "open", "call", "separator", "done", "broken"."""
 
-    def __init__(self) -> None:
-        self.state = "open"
-        self.buf = ""
-        self.calls = CallSequence(("parameters",))
+    log_name = "tool_choice required"
 
-    @property
-    def tools_called(self) -> bool:
-        return self.calls.num_sent > 0
+    def __init__(self) -> None:
+        super().__init__("open", ("parameters",))
 
     def feed(self, text: str) -> StreamDelta:
         self.buf += text
@@ -148,17 +143,7 @@ class RequiredStreamer(ToolStreamer):
                 self.buf, self.state = rest, "call"
                 self.calls.start()
             elif self.state == "call":
-                try:
-                    deltas, end = self.calls.feed(self.buf)
-                except JsonStreamError as e:
-                    logger.warning("tool_choice required: a call does not parse: %s", e)
-                    self.buf, self.state = "", "broken"
-                    break
-                out.tool_calls += deltas
-                if end is None:
-                    self.buf = ""
-                else:
-                    self.buf, self.state = self.buf[end:], "separator"
+                self._feed_call(out, "separator")
             else:  # done or broken
                 self.buf = ""
         return out
@@ -166,8 +151,5 @@ class RequiredStreamer(ToolStreamer):
     def finish(self) -> StreamDelta:
         out = StreamDelta()
         if self.state == "call":
-            try:
-                out.tool_calls += self.calls.finish()
-            except JsonStreamError as e:
-                logger.warning("tool_choice required: a call does not parse: %s", e)
+            self._finish_call(out)
         return out

@@ -12,7 +12,7 @@ import logging
 import re
 
 from gateway.tool_parsers.base import (
-    CallSequence,
+    CallsStreamer,
     ExtractedToolCalls,
     StreamDelta,
     ToolCall,
@@ -22,7 +22,6 @@ from gateway.tool_parsers.base import (
     held_prefix_len,
     vocab_has,
 )
-from gateway.tool_parsers.json_stream import JsonStreamError
 
 logger = logging.getLogger(__name__)
 
@@ -69,19 +68,15 @@ class Hermes2ProToolParser(ToolParser):
         return HermesStreamer()
 
 
-class HermesStreamer(ToolStreamer):
+class HermesStreamer(CallsStreamer):
     """States: "content" (before the first tag), "call" (inside a call's JSON), "closing"
     (after the JSON, up to `</tool_call>`), "between" (dropped text up to the next tag),
     "broken" (a call did not parse: the rest is dropped, as vLLM's streaming does)."""
 
-    def __init__(self) -> None:
-        self.state = "content"
-        self.buf = ""
-        self.calls = CallSequence(("arguments",))
+    log_name = "hermes"
 
-    @property
-    def tools_called(self) -> bool:
-        return self.calls.num_sent > 0
+    def __init__(self) -> None:
+        super().__init__("content", ("arguments",))
 
     def feed(self, text: str) -> StreamDelta:
         self.buf += text
@@ -97,17 +92,7 @@ class HermesStreamer(ToolStreamer):
                 out.content += self.buf[:i]
                 self._open(i + len(START))
             elif self.state == "call":
-                try:
-                    deltas, end = self.calls.feed(self.buf)
-                except JsonStreamError as e:
-                    logger.warning("hermes: a streamed tool call does not parse: %s", e)
-                    self.state, self.buf = "broken", ""
-                    break
-                out.tool_calls += deltas
-                if end is None:
-                    self.buf = ""
-                    break
-                self.buf, self.state = self.buf[end:], "closing"
+                self._feed_call(out, "closing")
             elif self.state in ("closing", "between"):
                 tag = END if self.state == "closing" else START
                 i = self.buf.find(tag)
@@ -131,8 +116,5 @@ class HermesStreamer(ToolStreamer):
         if self.state == "content":
             out.content, self.buf = self.buf, ""
         elif self.state == "call":
-            try:
-                out.tool_calls += self.calls.finish()
-            except JsonStreamError as e:
-                logger.warning("hermes: a streamed tool call does not parse: %s", e)
+            self._finish_call(out)
         return out

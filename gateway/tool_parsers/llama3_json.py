@@ -12,14 +12,13 @@ import json
 import logging
 
 from gateway.tool_parsers.base import (
-    CallSequence,
+    CallsStreamer,
     ExtractedToolCalls,
     StreamDelta,
     ToolCall,
     ToolParser,
     ToolStreamer,
 )
-from gateway.tool_parsers.json_stream import JsonStreamError
 
 logger = logging.getLogger(__name__)
 
@@ -58,18 +57,14 @@ class Llama3JsonToolParser(ToolParser):
         return Llama3JsonStreamer()
 
 
-class Llama3JsonStreamer(ToolStreamer):
+class Llama3JsonStreamer(CallsStreamer):
     """States: "start" (undecided: the text so far could begin `<|python_tag|>`), "content",
     "separator" (between calls), "call", "broken" (the rest is dropped)."""
 
-    def __init__(self) -> None:
-        self.state = "start"
-        self.buf = ""
-        self.calls = CallSequence(("arguments", "parameters"))
+    log_name = "llama3_json"
 
-    @property
-    def tools_called(self) -> bool:
-        return self.calls.num_sent > 0
+    def __init__(self) -> None:
+        super().__init__("start", ("arguments", "parameters"))
 
     def feed(self, text: str) -> StreamDelta:
         self.buf += text
@@ -97,17 +92,7 @@ class Llama3JsonStreamer(ToolStreamer):
                     logger.warning("llama3_json: text between streamed tool calls; dropped")
                     self.buf, self.state = "", "broken"
             elif self.state == "call":
-                try:
-                    deltas, end = self.calls.feed(self.buf)
-                except JsonStreamError as e:
-                    logger.warning("llama3_json: a streamed tool call does not parse: %s", e)
-                    self.buf, self.state = "", "broken"
-                    break
-                out.tool_calls += deltas
-                if end is None:
-                    self.buf = ""
-                else:
-                    self.buf, self.state = self.buf[end:], "separator"
+                self._feed_call(out, "separator")
             else:  # broken
                 self.buf = ""
         return out
@@ -117,8 +102,5 @@ class Llama3JsonStreamer(ToolStreamer):
         if self.state == "start":  # a proper prefix of the tag: plain text after all
             out.content, self.buf = self.buf, ""
         elif self.state == "call":
-            try:
-                out.tool_calls += self.calls.finish()
-            except JsonStreamError as e:
-                logger.warning("llama3_json: a streamed tool call does not parse: %s", e)
+            self._finish_call(out)
         return out
