@@ -105,7 +105,7 @@ class RemotePrefill:
         self.auth = RecordAuth.from_env()
         self._channels: dict[str, prefill_pb2_grpc.PrefillStub] = {}
         self._s_per_token: dict[str, float] = {}  # measured per prefill address
-        self._fences: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # kept alive until done: fences, leaving the line
         self._wakers: dict[str, asyncio.Future] = {}  # request id -> woken when blocks free
         engine.hooks.append(self._wake_first_in_line)
 
@@ -246,8 +246,8 @@ class RemotePrefill:
 
     def _leave_line(self, request_id: str) -> None:
         task = asyncio.ensure_future(self.engine.call(self.core.stop_awaiting, request_id))
-        self._fences.add(task)
-        task.add_done_callback(self._fences.discard)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _wake_first_in_line(self) -> bool:
         """Engine-loop hook: wake the request first in line once its blocks are free."""
@@ -325,8 +325,8 @@ class RemotePrefill:
         task = asyncio.get_running_loop().create_task(
             self._fence(key, address, request_id, transfer_id)
         )
-        self._fences.add(task)
-        task.add_done_callback(self._fences.discard)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _fence(self, key: str, address: str, request_id: str, transfer_id: str) -> None:
         """Release quarantined blocks once P acknowledged the abort or is known dead."""
