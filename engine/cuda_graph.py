@@ -38,7 +38,9 @@ class DecodeGraphs:
 
     Every graph also writes the greedy token of each row into `last_tokens`, and a row whose
     src is j >= 0 takes its input id from last_tokens[j] instead of the host: async scheduling
-    launches step N+1 with the tokens of step N that the host has not read yet."""
+    launches step N+1 with the tokens of step N that the host has not read yet. A batch under
+    a grammar overwrites last_tokens[:n] with its masked argmax (the model runner's
+    `launch_sampling`) before the next replay, which then reads those."""
 
     def __init__(
         self,
@@ -182,8 +184,13 @@ class DecodeGraphs:
     def launch(self, *inputs, src_rows: list[int]) -> tuple[torch.Tensor, torch.cuda.Event]:
         """`run` without waiting: returns a pinned host tensor that an async copy fills with
         the n greedy tokens, and the event after which it holds them."""
-        n = len(src_rows)
         self.run(*inputs, src_rows=src_rows)
+        return self.read_tokens(len(src_rows))
+
+    def read_tokens(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Queue the copy of `last_tokens[:n]` (the last replay's greedy tokens, or what the
+        caller wrote there since: a grammar's masked argmax) to the host; called once per
+        `run`, before the next one."""
         host = self.tokens_host[self._turn]  # alternates with the input buffers
         host[:n].copy_(self.last_tokens[:n], non_blocking=True)
         event = torch.cuda.Event()

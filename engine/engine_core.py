@@ -12,14 +12,18 @@ of its requests (the scheduler then sees the token as present); the graph reads 
 token on the device. Resolving fills the placeholders and applies the stops; a request that
 stops at N has one wasted row in N+1, whose output is dropped, and its blocks are freed only
 once N+1 is done (nothing may reuse a block that a running step still writes). Any step that
-is not a plain greedy decode batch (prefill, sampling, logprobs, a grammar, waiting requests, a
+is not a greedy decode batch (prefill, sampling, logprobs, logit bias, waiting requests, a
 pool that might preempt, a request that could pass max_tokens) resolves the pending step first.
 
 Structured outputs: a constrained request waits in `compiling` (known to the scheduler by id,
 not queued) until its grammar is compiled off this thread; `step()` then activates its matcher
 (feeding any output it already has: a decode resuming a remote prefill's first token) and
 queues it. Each sampled token advances the matcher; a token the grammar rejects fails that
-request, never the loop.
+request, never the loop. Greedy grammar rows pipeline too, in a split step: the forward of
+N+1 is launched first (it needs only step N's tokens, on the device), then step N is resolved
+(its tokens advance the matchers), and only then is N+1's sampling launched, behind the
+bitmask the matchers fill now. The host's grammar work overlaps N+1's forward, and every mask
+is the one the synchronous engine would build: exact.
 """
 
 from __future__ import annotations
@@ -199,7 +203,13 @@ class EngineCore:
                 s.request.num_placeholders += 1
             self.scheduler.update_after_step(sched)
             self._pending = launched
-            return self._resolve(pending) if pending is not None else []
+            try:
+                return self._resolve(pending) if pending is not None else []
+            finally:  # even if resolving raised: the pending step is always a sampled one
+                if not launched.is_sampled:
+                    # Grammar rows: their matchers have just taken step N's tokens (or a stop
+                    # or a rejection made the row a wasted one); N+1's masks follow from them.
+                    self.runner.launch_sampling(launched)
         outputs = []
         if pending is not None:
             outputs = self._resolve(pending)
@@ -227,7 +237,8 @@ class EngineCore:
         )
 
     def _resolve(self, launched: LaunchedStep) -> list[EngineCoreOutput]:
-        """Read a launched step's tokens (waiting for it) and apply them."""
+        """Read a launched step's tokens (waiting for it) and apply them: the grammars take
+        them, then the stops, as in `_execute`."""
         tokens = launched.tokens()
         for r in launched.deferred_free:  # finished while this step ran: now it is done
             self.kv.free(r)
@@ -237,15 +248,24 @@ class EngineCore:
                 continue
             r.output_token_ids[idx] = token
             r.num_placeholders -= 1
+            if r.structured is not None and not r.structured.advance(token):
+                status = self._fail(r, f"the grammar rejects sampled token {token}")
+                self._finish_at(r, idx, status)
+                outputs.append(EngineCoreOutput(r.request_id, finish_reason=status.value))
+                continue  # as in `_execute`: the rejected token is not reported
             out = EngineCoreOutput(r.request_id, [token], num_cached_tokens=r.num_cached_tokens)
             status = self._check_stop(r, token, num_output=idx + 1)
             if status is not None:
-                del r.output_token_ids[idx + 1 :]  # the next step's placeholder, if any
-                r.num_placeholders = 0
-                self._finish(r, status)
+                self._finish_at(r, idx, status)
                 out.finish_reason, out.stop_reason = status.value, r.stop_reason
             outputs.append(out)
         return outputs
+
+    def _finish_at(self, r: Request, idx: int, status: RequestStatus) -> None:
+        """Finish a request whose output ends at index idx: drop the placeholder after it."""
+        del r.output_token_ids[idx + 1 :]  # the next step's placeholder, if any
+        r.num_placeholders = 0
+        self._finish(r, status)
 
     def _execute(self, sched) -> list[EngineCoreOutput]:
         """One synchronous step: run, sample, apply."""

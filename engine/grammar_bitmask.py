@@ -4,7 +4,9 @@ Per step the host fills the rows of the constrained requests (xgrammar's
 `fill_next_token_bitmask`, into a pinned int32 buffer) while the device still runs the forward,
 copies the buffer to the device once (non-blocking), and one kernel
 (`xgrammar.apply_token_bitmask_inplace`) sets the forbidden tokens' logits to -inf in place,
-before the sampler: no host sync per row or per token.
+before the sampler: no host sync per row or per token. Under async scheduling the same happens
+one step later in the host's order (`ModelRunner.launch_sampling`): the forward of step N+1 is
+already queued when the matchers take step N's tokens and fill N+1's rows.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def warm_up_mask_kernel(vocab_size: int, device: torch.device) -> None:
 class GrammarBitmask:
     """One bitmask for the whole batch: rows filled on the host (pinned on CUDA), one copy to
     the device per step, one masking kernel over the constrained rows. Reusing the host buffer
-    is safe: every step reads its sampled tokens on the host (a sync) before the next fills."""
+    is safe: a mask is filled only after the host has read the previous step's tokens (a sync
+    on a point of the stream after that step's copy), sync or async alike."""
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
         xgr = import_xgrammar()

@@ -5,6 +5,11 @@ runner builds the forward batch (input ids, positions, slot mapping, `AttentionM
 runs the model, and samples one token for every request whose KV now covers all its tokens.
 The attention backend is the seam where the Triton kernels plug in; `_forward` is the seam for
 CUDA-graph replay.
+
+Async scheduling launches a greedy decode step in two parts: the forward (`launch_decode`)
+and the sampling (the graphs' own argmax; under a grammar, `launch_sampling` after the host
+has advanced the matchers with the previous step's tokens). Either way the host reads the
+tokens later, with `LaunchedStep.tokens()`.
 """
 
 from __future__ import annotations
@@ -22,7 +27,13 @@ from engine.cuda_graph import DecodeGraphs, capture_sizes
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.models import get_model_class
 from engine.request import Request
-from engine.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy
+from engine.sampler import (
+    Sampler,
+    SamplingBatch,
+    compute_prompt_logprobs,
+    is_argmax_only,
+    is_plain_greedy,
+)
 from engine.scheduler import SchedulerOutput
 from engine.weights import iter_safetensors_weights
 
@@ -45,13 +56,22 @@ class LaunchedStep:
 
     rows: list[tuple[Request, int]]  # (request, index of its placeholder in output_token_ids)
     row_of: dict[str, int]  # request id -> row
+    # Forward launched, sampling not yet (a grammar row's mask needs its matcher to have
+    # taken the previous step's token first): the logits, until `launch_sampling`.
+    logits: torch.Tensor | None = None
     tokens_host: torch.Tensor | None = None  # pinned; filled by an async copy
     event: torch.cuda.Event | None = None  # recorded after that copy
     cpu_tokens: list[int] | None = None  # known at once when the step ran eagerly
     deferred_free: list[Request] = field(default_factory=list)  # free once this step is done
 
+    @property
+    def is_sampled(self) -> bool:
+        """Its sampling is launched (or done): `tokens()` may be called."""
+        return self.logits is None
+
     def tokens(self) -> list[int]:
         """Waits for the step; its greedy tokens in row order."""
+        assert self.is_sampled, "launch_sampling first"
         if self.cpu_tokens is None:
             self.event.synchronize()
             self.cpu_tokens = self.tokens_host[: len(self.rows)].tolist()
@@ -69,6 +89,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
         self.grammar_bitmask = None  # structured outputs: made for the first constrained row
+        self.num_async_grammar_steps = 0  # launched steps masked after their forward
 
     def _make_backend(self) -> AttentionBackend:
         if self.device.type != "cuda":
@@ -257,9 +278,9 @@ class ModelRunner:
         return self.graphs is not None if flag is None else flag
 
     def can_launch_async(self, sched: SchedulerOutput) -> bool:
-        """A batch `launch_decode` can take: one new token per row, plain greedy sampling (the
-        graphs' argmax is the sampler: no grammar mask, no logit bias), and a captured graph
-        large enough."""
+        """A batch `launch_decode` can take: one new token per row, sampling that is an argmax
+        of the logits (the graphs' argmax, or under a grammar the argmax of the masked logits;
+        no logit bias, penalties or logprobs), and a captured graph large enough."""
         if not self.async_scheduling:
             return False
         if any(s.num_new_tokens != 1 for s in sched.scheduled):
@@ -267,7 +288,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.graph_size(len(sched.scheduled)) is None:
             return False
         return all(
-            is_plain_greedy(s.request.sampling_params, s.request.num_output_tokens)
+            is_argmax_only(s.request.sampling_params, s.request.num_output_tokens)
             for s in sched.scheduled
         )
 
@@ -276,7 +297,9 @@ class ModelRunner:
         self, sched: SchedulerOutput, kv: KVCacheManager, prev: LaunchedStep | None
     ) -> LaunchedStep:
         """Start a greedy decode step without reading its tokens. Rows of requests that were
-        in `prev` (still unread) take their input token from prev's output on the device."""
+        in `prev` (still unread) take their input token from prev's output on the device.
+        A batch with a grammar row stops after the forward (`step.is_sampled` is False): its
+        masks wait for the matchers to take prev's tokens, then `launch_sampling`."""
         ids, pos, slots, qsl, seq_lens, tables = self._prepare(sched, kv)
         reqs = [s.request for s in sched.scheduled]
         src = [prev.row_of.get(r.request_id, -1) if prev else -1 for r in reqs]
@@ -284,18 +307,46 @@ class ModelRunner:
             rows=[(r, r.num_output_tokens) for r in reqs],
             row_of={r.request_id: i for i, r in enumerate(reqs)},
         )
+        is_plain = all(is_plain_greedy(r.sampling_params, r.num_output_tokens) for r in reqs)
         if self.graphs is not None:
             ids = [0 if j >= 0 else t for t, j in zip(ids, src)]
-            step.tokens_host, step.event = self.graphs.launch(
-                ids, pos, slots, seq_lens, tables, src_rows=src
-            )
+            if is_plain:  # the graph's argmax is the sampler
+                step.tokens_host, step.event = self.graphs.launch(
+                    ids, pos, slots, seq_lens, tables, src_rows=src
+                )
+            else:
+                step.logits = self.graphs.run(ids, pos, slots, seq_lens, tables, src_rows=src)
             return step
         # No graphs (CPU, enforce_eager): run now; the pipeline logic above stays the same.
         known = prev.tokens() if prev is not None else []
         ids = [known[j] if j >= 0 else t for t, j in zip(ids, src)]
         hidden = self._run_eager(ids, pos, slots, qsl, seq_lens, tables, 1)
-        step.cpu_tokens = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+        logits = self.model.compute_logits(hidden)
+        if is_plain:
+            step.cpu_tokens = logits.argmax(dim=-1).tolist()
+        else:
+            step.logits = logits
         return step
+
+    @torch.inference_mode()
+    def launch_sampling(self, step: LaunchedStep) -> None:
+        """Sample a step `launch_decode` left at its logits: mask the rows whose grammar
+        constrains their next token (the matchers as they are now: they must have taken the
+        previous step's tokens), then argmax. Rows of finished requests (wasted rows) are not
+        masked. With graphs the masked tokens go to `last_tokens`, where the next replay reads
+        its input ids; the host reads them with `step.tokens()`."""
+        assert not step.is_sampled, "sampled twice"
+        logits, step.logits = step.logits, None
+        reqs = [r for r, _ in step.rows]
+        is_masked = self._apply_grammars(reqs, logits)
+        self.num_async_grammar_steps += is_masked
+        if self.graphs is None:
+            step.cpu_tokens = logits.argmax(dim=-1).tolist()
+            return
+        n = len(reqs)
+        if is_masked:  # else the graph's own argmax stands
+            torch.argmax(logits, dim=-1, out=self.graphs.last_tokens[:n])
+        step.tokens_host, step.event = self.graphs.read_tokens(n)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
@@ -386,22 +437,24 @@ class ModelRunner:
             if lp is not None:
                 out.logprobs[r.request_id] = lp
 
-    def _apply_grammars(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        """Structured outputs: mask the constrained rows in place. The host fills the bitmask
-        while the device still runs this step's forward (launched, not awaited)."""
+    def _apply_grammars(self, reqs: list[Request], logits: torch.Tensor) -> bool:
+        """Structured outputs: mask the constrained rows in place (not those of finished
+        requests: wasted rows of a launched step); False if there were none. The host fills
+        the bitmask while the device still runs this step's forward (launched, not awaited)."""
         rows = [
             i
             for i, r in enumerate(reqs)
-            if r.structured is not None and r.structured.is_constrained
+            if r.structured is not None and r.structured.is_constrained and not r.is_finished
         ]
         if not rows:
-            return
+            return False
         if self.grammar_bitmask is None:
             from engine.grammar_bitmask import GrammarBitmask
 
             max_rows = self.config.scheduler.max_num_seqs
             self.grammar_bitmask = GrammarBitmask(max_rows, logits.shape[-1], self.device)
         self.grammar_bitmask.apply(logits, rows, [reqs[i].structured for i in rows])
+        return True
 
     def _prompt_logprobs(self, sched, hidden, qsl, out: ModelRunnerOutput) -> None:
         for i, s in enumerate(sched.scheduled):

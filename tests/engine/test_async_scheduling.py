@@ -2,6 +2,11 @@
 engine's outputs: tokens, finish reasons, stops at EOS-like tokens and max_tokens, min_tokens,
 aborts, prefix-cache hashes, and every block back in the pool.
 
+Greedy rows under a grammar pipeline too (the split step: forward N+1 launched, step N
+resolved into the matchers, then N+1's masked sampling): the same tokens as the synchronous
+constrained engine over several grammars, rows finishing at different steps, a request joining
+mid-way, free rows beside constrained ones, a rejected token, and reasoning before the grammar.
+
 On CPU the launched step runs eagerly (no CUDA graphs), so the pipeline's bookkeeping (the
 placeholders, resolving one step late, wasted rows, deferred frees) is what they check; with
 CUDA (TRITON_INTERPRET=0) the same tests run the graphs' device-side token hand-off, against
@@ -10,10 +15,14 @@ the synchronous engine with the same graphs.
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.request import PLACEHOLDER, Request
+from engine.sampling_params import StructuredOutputsParams as SO
 from tests.gpu import GPU_ONLY
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 21, 33, 8, 17, 40)]
@@ -134,3 +143,168 @@ def test_pipelines_while_requests_wait_for_a_slot(tiny_qwen3_path):
         waited = len(launches)
     assert outs[0] == outs[1]
     assert waited >= 15, "decode steps with requests waiting were pipelined"
+
+
+# ---- structured outputs: the split step -------------------------------------------------------
+SMALL_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["n", "ok"],
+    "additionalProperties": False,
+}
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "active"],
+    "additionalProperties": False,
+}
+
+
+def _constrained(so: SO, max_tokens: int = 60, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=so, **kw)
+
+
+def _spy_split_steps(llm: LLM, monkeypatch) -> list[list[str]]:
+    """The request ids of each launched step sampled after its forward (`launch_sampling`)."""
+    runner, steps = llm.engine.runner, []
+    launch = runner.launch_sampling
+
+    def spied(step):
+        steps.append([r.request_id for r, _ in step.rows])
+        return launch(step)
+
+    monkeypatch.setattr(runner, "launch_sampling", spied)
+    return steps
+
+
+def _drive(llm: LLM, requests: list[tuple[str, list[int], SamplingParams]], join_after: int):
+    """Run the first requests to the end; the last one joins once the first has `join_after`
+    tokens (the same point of the output in either engine). Grammars are compiled first, so
+    that when a request enters the batch does not hang on a compile's timing. Returns each
+    request's tokens and finish reason."""
+    core = llm.engine
+    for _, _, p in requests:
+        if p.structured_outputs is not None:
+            core.structured.start(p.structured_outputs).compiled.result()
+    *first, joiner = [Request(rid, ids, p, llm.eos_token_ids) for rid, ids, p in requests]
+    for r in first:
+        core.add_request(r)
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in [*first, joiner]}
+    finish: dict[str, str] = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finish_reason is not None:
+                finish[out.request_id] = out.finish_reason
+        if joiner.request_id not in core.scheduler.requests and not joiner.is_finished:
+            if len(tokens[first[0].request_id]) >= join_after:
+                core.add_request(joiner)
+    return {rid: (tokens[rid], finish.get(rid)) for rid in tokens}
+
+
+def test_grammar_batch_same_tokens_as_sync(engines, monkeypatch):
+    """Several grammars, a free row, rows ending at different steps (the grammar terminates,
+    ignore_eos or not; max_tokens), one request joining mid-way: the pipelined engine gives
+    the sync engine's tokens, and really pipelined the constrained steps."""
+    sync, asyn = engines
+    json_small = SO(json=SMALL_SCHEMA, disable_any_whitespace=True)
+    json_person = SO(json=PERSON_SCHEMA, disable_any_whitespace=True)
+    requests = [
+        ("small", PROMPTS[0], _constrained(json_small)),
+        ("person", PROMPTS[1], _constrained(json_person)),
+        ("digits", PROMPTS[2], _constrained(SO(regex="[0-9]{3,5}"))),
+        ("choice", PROMPTS[3], _constrained(SO(choice=["alpha", "beta"]), ignore_eos=True)),
+        ("free", PROMPTS[4], SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)),
+        ("cut", PROMPTS[5], _constrained(json_person, max_tokens=7)),  # length, mid-object
+        ("joiner", list(range(60, 83)), _constrained(json_small)),
+    ]
+    free_before = asyn.engine.kv.num_free_blocks
+    masked_before = asyn.engine.runner.num_async_grammar_steps
+    split = _spy_split_steps(asyn, monkeypatch)
+    expect = _drive(sync, requests, join_after=4)
+    got = _drive(asyn, requests, join_after=4)
+    assert got == expect
+    # The grammars did their work, and rows ended at different steps, several ways.
+    texts = {rid: asyn.tokenizer.decode(t, skip_special_tokens=True) for rid, (t, _) in got.items()}
+    schemas = {"small": SMALL_SCHEMA, "person": PERSON_SCHEMA, "joiner": SMALL_SCHEMA}
+    for rid, schema in schemas.items():
+        assert got[rid][1] == "stop", texts[rid]
+        jsonschema.validate(json.loads(texts[rid]), schema)
+    assert texts["choice"] in ("alpha", "beta") and got["choice"][1] == "stop"  # terminated
+    assert got["cut"][1] == got["free"][1] == "length" and len(got["free"][0]) == 25
+    assert len({len(t) for t, _ in got.values()}) >= 5
+    # The constrained batch was pipelined: masked after its forward, the free row beside
+    # constrained ones, the joiner too once in the batch; the sync engine never split a step.
+    assert asyn.engine.runner.num_async_grammar_steps - masked_before >= 20
+    assert sync.engine.runner.num_async_grammar_steps == 0
+    assert any({"free", "small", "person"} <= set(rows) for rows in split)
+    assert any("joiner" in rows for rows in split)
+    assert asyn.engine.kv.num_free_blocks == free_before
+    assert asyn.engine.kv.req_to_blocks == {}
+
+
+def test_a_rejected_token_fails_only_its_request(engines, monkeypatch):
+    """A token its grammar rejects (faked: the masks never let one through) fails the request
+    at that token in either engine; its row in the step launched meanwhile is wasted."""
+    outs = []
+    for llm in engines:
+        split = _spy_split_steps(llm, monkeypatch)
+        core = llm.engine
+        free_before = core.kv.num_free_blocks
+        so = SO(json=SMALL_SCHEMA, disable_any_whitespace=True)
+        core.structured.start(so).compiled.result()
+        doomed = Request("doomed", PROMPTS[1], _constrained(so), llm.eos_token_ids)
+        other = Request("other", PROMPTS[2], _constrained(so), llm.eos_token_ids)
+        core.add_request(doomed)
+        core.add_request(other)
+        advance, seen = doomed.structured.advance, []
+
+        def reject_the_fifth(token, advance=advance, seen=seen):
+            seen.append(token)
+            return len(seen) != 5 and advance(token)
+
+        doomed.structured.advance = reject_the_fifth
+        got: dict[str, list] = {"doomed": [], "other": []}
+        while core.has_unfinished_requests():
+            for out in core.step():
+                got[out.request_id].append((out.new_token_ids, out.finish_reason))
+        outs.append(got)
+        assert len(seen) == 5 and core.kv.num_free_blocks == free_before
+        if llm is engines[1]:
+            assert any("doomed" in rows for rows in split), "the doomed request was pipelined"
+    assert outs[0] == outs[1]
+    assert outs[1]["doomed"][-1] == ([], "abort") and len(outs[1]["doomed"]) == 5
+    assert outs[1]["other"][-1][1] == "stop"
+
+
+def test_reasoning_then_grammar_in_the_pipeline(engines, monkeypatch):
+    """Free tokens up to the reasoning's end token, pipelined without a mask; the grammar
+    from the next token on, pipelined with one; the same tokens as the sync engine."""
+    sync, asyn = engines
+    prompt = [40, 41, 42, 43]
+    free = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    free_ids = sync.generate([prompt], free)[0].outputs[0].token_ids
+    # A fake end-of-reasoning id: a token the model says anyway (greedy), a few tokens in.
+    k = next(i for i in range(3, 10) if free_ids[i] not in prompt + free_ids[:i])
+    so = SO(regex="[0-9]{3}", reasoning_end_token_id=free_ids[k])
+    params = [_constrained(so, max_tokens=20), free]
+    prompts = [prompt, PROMPTS[1]]
+    split = _spy_split_steps(asyn, monkeypatch)
+    masked_before = asyn.engine.runner.num_async_grammar_steps
+    expect = [o.outputs[0] for o in sync.generate(prompts, params)]
+    got = [o.outputs[0] for o in asyn.generate(prompts, params)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in expect]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in expect]
+    assert got[0].token_ids[: k + 1] == free_ids[: k + 1]
+    after = asyn.tokenizer.decode(got[0].token_ids[k + 1 :], skip_special_tokens=True)
+    assert got[0].finish_reason == "stop" and after.isdigit() and len(after) == 3, after
+    masked = asyn.engine.runner.num_async_grammar_steps - masked_before
+    assert masked >= 3 and len(split) - masked >= 2  # grammar steps; reasoning steps
