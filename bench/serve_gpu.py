@@ -57,9 +57,12 @@ def offline_tok_s(path: Path, n: int) -> float:
     return float(line.split()[1])
 
 
-def start_serve(path: Path, num_prefill: int, port: int) -> tuple[subprocess.Popen, list[str]]:
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", str(path), *ENGINE_FLAGS,
-           "--num-prefill", str(num_prefill), "--port", str(port)]  # fmt: skip
+def start_serve(
+    path: Path, num_prefill: int, port: int, extra: list[str] | None = None
+) -> tuple[subprocess.Popen, list[str]]:
+    """`tandem serve` with this bench's flags and `num_prefill`, or with `extra` instead."""
+    flags = extra if extra is not None else [*ENGINE_FLAGS, "--num-prefill", str(num_prefill)]
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", str(path), *flags, "--port", str(port)]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )

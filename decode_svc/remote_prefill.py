@@ -269,7 +269,7 @@ class RemotePrefill:
             reason = str(e)
         else:
             age_s = time.time() - record.published_at
-            if record.role != "prefill":
+            if record.role not in ("prefill", "both"):
                 reason = f"its record is a {record.role}'s"
             elif record.address != target.address:
                 reason = "its record names another address"

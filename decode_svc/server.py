@@ -12,6 +12,11 @@ Lifecycle of one `Generate` stream:
 4. Decode in the continuous batch, streaming `TokenChunk`s (the first carries the prompt
    logprobs when asked, computed here or by P), then a `Final` with usage. A client that goes
    away aborts the request and frees its blocks.
+
+`--kv-role kv_both` (vLLM's name for an instance that both produces and consumes KV): the same
+server also answers `tandem.v1.Prefill` with the same engine, so other decodes may prefill here
+and this one prefills locally or elsewhere, as the gateway's cost model decides per request. A
+pool of such instances can act colocated or disaggregated request by request.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ from engine.serving import (
     sampling_params_from_proto,
 )
 from kv_transfer import Agent
-from protos import common_pb2, decode_pb2, decode_pb2_grpc
+from prefill_svc.server import SERVICE_NAME as PREFILL_SERVICE_NAME
+from prefill_svc.server import PrefillServicer
+from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "tandem.v1.Decode"
@@ -53,7 +60,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         eos_ids: set[int],
         args: argparse.Namespace,
         kv: KVPublishing,
+        prefill: PrefillServicer | None = None,
     ):
+        self.prefill = prefill  # kv_both: the Prefill service on the same engine
         self.engine = engine
         self.kv = kv
         self.core: EngineCore = engine.core
@@ -171,7 +180,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     def metric_counters(self) -> dict[str, float]:
         rejected = {"num_rejected_kv_messages": self.agent.num_rejected_messages}
-        return {**self.counters, **self.remote.stats, **rejected}
+        served = {}
+        if self.prefill is not None:  # kv_both: what it prefilled for other decodes
+            served = {
+                "kv_transfer_bytes_sent": self.prefill.sender.total_bytes,
+                "prefill_requests": self.prefill.num_requests,
+            }
+        return {**self.counters, **self.remote.stats, **rejected, **served}
 
     async def GetLoad(self, request, context):
         return load_response(
@@ -188,7 +203,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
 
 def _servicer(ctx: ServiceContext) -> DecodeServicer:
-    return DecodeServicer(ctx.engine, ctx.agent, ctx.instance_id, ctx.eos_ids, ctx.args, ctx.kv)
+    a = ctx.args
+    prefill = None
+    if a.kv_role == "kv_both":
+        args = (ctx.instance_id, ctx.eos_ids, a.kv_lease_s, a.transfer_timeout_s, ctx.kv)
+        prefill = PrefillServicer(ctx.engine, ctx.agent, *args)
+    return DecodeServicer(ctx.engine, ctx.agent, ctx.instance_id, ctx.eos_ids, a, ctx.kv, prefill)
+
+
+def _add_servicers(servicer: DecodeServicer, server: grpc.aio.Server) -> None:
+    decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
+    if servicer.prefill is not None:
+        prefill_pb2_grpc.add_PrefillServicer_to_server(servicer.prefill, server)
 
 
 def build_parser():
@@ -212,15 +238,28 @@ def build_parser():
         type=float,
         default=30.0,
         help="warn when a failed remote prefill's blocks are still quarantined after this long "
-        "(they are released only once the prefill acknowledges or is known dead)",
+        "(they are released only once the prefill acknowledges or is known dead); with "
+        "--kv-role kv_both, also: no KV write for another decode is issued after this long",
+    )
+    parser.add_argument(
+        "--kv-role",
+        default="kv_consumer",
+        choices=["kv_consumer", "kv_both"],
+        help="kv_both: also serve prefills for other decodes (tandem.v1.Prefill) on this engine",
+    )
+    parser.add_argument(
+        "--transfer-timeout-s",
+        type=float,
+        default=30.0,
+        help="kv_both: how long KV writes for another decode may stay in flight",
     )
     return parser
 
 
 async def serve(args) -> None:
-    await run_service(
-        args, "decode", _servicer, decode_pb2_grpc.add_DecodeServicer_to_server, SERVICE_NAME
-    )
+    role = "both" if args.kv_role == "kv_both" else "decode"
+    names = (SERVICE_NAME, PREFILL_SERVICE_NAME) if role == "both" else (SERVICE_NAME,)
+    await run_service(args, role, _servicer, _add_servicers, names)
 
 
 def main(argv: list[str] | None = None) -> None:

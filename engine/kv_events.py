@@ -72,20 +72,23 @@ class Subscription:
 class KVEventSource:
     """The engine hook that drains KV events and measures load; see the module docstring.
 
-    `measure_prefill`: the prefill role computes every prompt it admits, so prompt tokens per
-    busy second is its prefill rate. A decode's prefix-cache queries also count remotely
-    prefilled prompts, so it does not measure (reports 0.0).
+    `measure_prefill`: "busy" (the prefill role: it computes prompts and nothing else, so prompt
+    tokens per busy second is its prefill rate), "mixed" (a decode: its steps mix prompt chunks
+    with decoding, so the rate comes from `MixedRateFit`), or "" (no measurement, 0.0).
     """
 
     def __init__(
         self,
         core: EngineCore,
-        measure_prefill: bool,
+        measure_prefill: str,
         interval_s: float = 0.02,
         keepalive_s: float = 0.5,
     ):
         self.core = core
+        assert measure_prefill in ("busy", "mixed", "")
         self.measure_prefill = measure_prefill
+        self._fit = MixedRateFit()
+        self._steps_at_window_start = core.scheduler.num_steps
         self.interval_s = interval_s
         self.keepalive_s = keepalive_s
         self._subs: list[Subscription] = []
@@ -95,7 +98,7 @@ class KVEventSource:
         self._last_load: LoadSnapshot | None = None
         self._was_busy = False
         self._busy_s = 0.0
-        self._computed_at_window_start = core.kv.prefix_stats.queries - core.kv.prefix_stats.hits
+        self._computed_at_window_start = core.scheduler.num_prompt_tokens_computed
         self.prefill_tokens_per_s = 0.0
         self.latest_load: LoadSnapshot | None = None  # read by other threads (heartbeats)
 
@@ -159,8 +162,9 @@ class KVEventSource:
     def _measure(self, now: float) -> None:
         """Fold prompt tokens computed per busy second into an EMA, one window at a time.
 
-        Tokens are counted when a prompt is first scheduled (queries minus prefix hits), busy
-        time is loop time while requests were unfinished; over half a second the two line up.
+        Busy time is loop time while requests were unfinished; tokens are prompt tokens the
+        scheduler computed here. A prefill's busy time is all prompt work; a decode's is not
+        (see `MixedRateFit`).
         """
         if not self.measure_prefill:
             return
@@ -170,12 +174,50 @@ class KVEventSource:
         self._was_busy = self.core.has_unfinished_requests()
         if now - self._window_start < _RATE_WINDOW_S:
             return
-        stats = self.core.kv.prefix_stats
-        computed = stats.queries - stats.hits
-        num_tokens = computed - self._computed_at_window_start
-        if self._busy_s >= _MIN_BUSY_S and num_tokens > 0:
+        sched = self.core.scheduler
+        num_tokens = sched.num_prompt_tokens_computed - self._computed_at_window_start
+        num_steps = sched.num_steps - self._steps_at_window_start
+        rate = None
+        if self.measure_prefill == "mixed":
+            rate = self._fit.add(num_tokens, num_steps, self._busy_s)
+        elif self._busy_s >= _MIN_BUSY_S and num_tokens > 0:
             rate = num_tokens / self._busy_s
+        if rate is not None:
             prev = self.prefill_tokens_per_s
             self.prefill_tokens_per_s = rate if prev == 0 else prev + _RATE_EMA * (rate - prev)
         self._window_start, self._busy_s = now, 0.0
-        self._computed_at_window_start = computed
+        self._computed_at_window_start = sched.num_prompt_tokens_computed
+        self._steps_at_window_start = sched.num_steps
+
+
+class MixedRateFit:
+    """Prefill throughput of an engine whose steps mix prompt chunks with decoding.
+
+    Each window gives (prompt tokens, steps, busy seconds); busy ≈ a·tokens + b·steps, where b
+    is the decode part of a step and a the cost of one prompt token. A least-squares fit over
+    recent windows (exponentially forgotten) gives a; the rate is 1 / a. Windows without prompt
+    work pin b, windows with it pin a; until both kinds were seen (or when the fit is not
+    physical) it answers None and the last estimate stands.
+    """
+
+    def __init__(self, forget: float = 0.9, min_windows: int = 4):
+        self.forget, self.min_windows = forget, min_windows
+        self._sums = [0.0] * 5  # Σtt, Σts, Σss, Σty, Σsy
+        self._num_windows = 0
+
+    def add(self, num_tokens: int, num_steps: int, busy_s: float) -> float | None:
+        if busy_s < _MIN_BUSY_S or num_steps == 0:
+            return None
+        t, st, y = float(num_tokens), float(num_steps), busy_s
+        new = (t * t, t * st, st * st, t * y, st * y)
+        self._sums = [self.forget * old + x for old, x in zip(self._sums, new)]
+        self._num_windows += 1
+        tt, ts, ss, ty, sy = self._sums
+        det = tt * ss - ts * ts
+        if self._num_windows < self.min_windows or tt == 0 or det <= 1e-9 * tt * ss:
+            return None
+        a = (ty * ss - ts * sy) / det
+        b = (tt * sy - ts * ty) / det
+        if a <= 0 or b < 0:
+            return None
+        return 1.0 / a

@@ -43,6 +43,7 @@ from engine.record_auth import RecordAuth, RecordError
 logger = logging.getLogger(__name__)
 
 INSTANCES_KEY = "tandem:instances"
+ROLES = ("prefill", "decode", "both")
 REDIS_URL_ENV = "TANDEM_REDIS_URL"
 REDIS_URL_FILE_ENV = "TANDEM_REDIS_URL_FILE"
 _MAX_ARGS = 10_000  # members per SADD/SREM: keeps single commands small
@@ -65,7 +66,7 @@ class InstanceRecord:
     """What an instance says about itself; the gateway's `RedisRegistry` parses the same JSON."""
 
     instance_id: str
-    role: str  # "prefill" | "decode"
+    role: str  # "prefill" | "decode" | "both" (a kv_both decode: in both pools)
     address: str  # host:port of its gRPC server
     model: str
     block_size: int
@@ -97,8 +98,8 @@ class InstanceRecord:
             value = raw.get(name, typ())
             if type(value) is not typ or (typ is int and value < 0) or len(str(value)) > 256:
                 raise RecordError(f"field {name!r} must be a {typ.__name__} (at most 256 chars)")
-        if raw["role"] not in ("prefill", "decode") or raw["block_size"] <= 0:
-            raise RecordError("role must be prefill or decode, block_size positive")
+        if raw["role"] not in ROLES or raw["block_size"] <= 0:
+            raise RecordError("role must be prefill, decode or both, block_size positive")
         host, sep, port = raw["address"].rpartition(":")
         if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
             raise RecordError("address must be host:port")

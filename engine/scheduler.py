@@ -96,6 +96,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Work done, for throughput estimates (engine/kv_events.py): steps, and prompt tokens
+        # computed here (KV that arrived from a remote prefill is not computed here).
+        self.num_steps = 0
+        self.num_prompt_tokens_computed = 0
 
     # ---- admission -----------------------------------------------------------------------
     def add_request(self, request: Request, check_limits: bool = True) -> None:
@@ -211,6 +215,10 @@ class Scheduler:
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance computed counts and publish newly full blocks to the prefix cache."""
+        self.num_steps += 1
         for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_blocks(s.request)
+            r = s.request
+            num_prompt_left = max(r.num_prompt_tokens - r.num_computed_tokens, 0)
+            self.num_prompt_tokens_computed += min(s.num_new_tokens, num_prompt_left)
+            r.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_blocks(r)

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 DEATH_GRACE_S = 2.0  # after the engine loop died: for streams to send their error
 EXIT_ENGINE_DEAD = 3  # the engine loop died (the supervisor restarts the process)
 ENV_KV_INTERFACE = "TANDEM_KV_INTERFACE"
+_MAX_GPUS = 64
 
 
 @dataclass
@@ -147,7 +148,7 @@ async def run_service(
     role: str,
     make_servicer: Callable[[ServiceContext], Any],
     add_servicer: Callable[[Any, grpc.aio.Server], None],
-    service_name: str,
+    service_name: str | tuple[str, ...],
 ) -> None:
     config = engine_config_from_args(args)
     engine = AsyncEngine(EngineCore(config))
@@ -261,6 +262,27 @@ async def _die(
     raise EngineDeadError(f"engine loop died: {engine.error!r}") from engine.error
 
 
+def pin_gpu(device: str) -> str:
+    """`--device cuda:N` → this process's first CUDA device is GPU N, and "cuda" is returned.
+
+    Why reorder CUDA_VISIBLE_DEVICES instead of hiding the other GPUs: UCX's cuda_ipc transport
+    opens a peer's KV memory through its device, which must stay visible (a prefill on GPU 0
+    writing into a decode on GPU 1). Runs before anything initializes CUDA in this process.
+    """
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not index:
+        return device
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    # Unset: every GPU, listed without counting them (counting would initialize CUDA); CUDA
+    # stops at the first index that does not exist, so the surplus is ignored.
+    order = visible.split(",") if visible else [str(i) for i in range(_MAX_GPUS)]
+    if not index.isdigit() or int(index) >= len(order):
+        raise ValueError(f"--device {device}: no such GPU (CUDA_VISIBLE_DEVICES={visible})")
+    first = order[int(index)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join([first, *(d for d in order if d != first)])
+    return "cuda"
+
+
 def service_main(parser: argparse.ArgumentParser, serve, argv: list[str] | None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -269,6 +291,7 @@ def service_main(parser: argparse.ArgumentParser, serve, argv: list[str] | None)
         internal_auth.check_startup(args.insecure_internal)
         args.redis_url = resolve_redis_url(args.redis_url)
         args.kv_net_devices = kv_net_devices(args.host, args.kv_interface)
+        args.device = pin_gpu(args.device)
     except ValueError as e:
         raise SystemExit(f"{parser.prog}: {e}") from None
     # The engine thread and the gRPC event loop share the GIL; hand it over every 0.5 ms, not

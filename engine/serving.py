@@ -222,7 +222,7 @@ class KVPublishing:
         self.block_size = core.config.cache.block_size
         self.kv_bytes_per_block = core.config.model.kv_bytes_per_token() * self.block_size
         self.max_num_batched_tokens = core.config.scheduler.max_num_batched_tokens
-        self.source = KVEventSource(core, measure_prefill=role == "prefill")
+        self.source = KVEventSource(core, measure_prefill="busy" if role == "prefill" else "mixed")
         engine.hooks.append(self.source.poll)
         self.publisher: RedisPublisher | None = None
         self._streams: set[asyncio.Queue] = set()  # open WatchKVEvents streams
@@ -321,18 +321,27 @@ class Health:
     service's own. `task` keeps readiness in step with the engine loop; `drain` turns
     readiness off for good while liveness stays on (the process is finishing its work)."""
 
-    def __init__(self, servicer: health.aio.HealthServicer, service_name: str, task=None):
-        self.servicer, self.service_name = servicer, service_name
+    def __init__(
+        self, servicer: health.aio.HealthServicer, service_names: tuple[str, ...], task=None
+    ):
+        self.servicer, self.service_names = servicer, service_names
         self.task: asyncio.Task = task
         self.is_draining = False
 
+    async def set_all(self, status) -> None:
+        for name in self.service_names:
+            await self.servicer.set(name, status)
+
     async def drain(self) -> None:
         self.is_draining = True
-        await self.servicer.set(self.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-async def serve_health(server: grpc.aio.Server, service_name: str, engine: AsyncEngine) -> Health:
-    """Register gRPC health; a task keeps readiness in step with the engine loop.
+async def serve_health(
+    server: grpc.aio.Server, service_names: str | tuple[str, ...], engine: AsyncEngine
+) -> Health:
+    """Register gRPC health for the services this server runs (a kv_both decode runs two); a
+    task keeps their readiness in step with the engine loop.
 
     When the loop dies, the task puts every service, the overall "" included, in NOT_SERVING for
     good (the process is about to exit non-zero) and ends."""
@@ -346,17 +355,18 @@ async def serve_health(server: grpc.aio.Server, service_name: str, engine: Async
     loop = asyncio.get_running_loop()
     died = asyncio.Event()
     engine.on_death.append(lambda exc: _set_threadsafe(loop, died))
-    state = Health(servicer, service_name)
+    names = (service_names,) if isinstance(service_names, str) else service_names
+    state = Health(servicer, names)
 
     async def watch() -> None:
         while engine.is_alive:
             ok = time.monotonic() - engine.last_step_time < READY_STALL_S
             if not state.is_draining:
-                await servicer.set(service_name, serving if ok else not_serving)
+                await state.set_all(serving if ok else not_serving)
             with contextlib.suppress(TimeoutError):  # a death wakes us at once
                 await asyncio.wait_for(died.wait(), 0.5)
         logger.error("engine loop is not running: health NOT_SERVING (%r)", engine.error)
-        await servicer.set(service_name, not_serving)
+        await state.set_all(not_serving)
         await servicer.enter_graceful_shutdown()  # "" too; later `set`s are ignored
 
     state.task = asyncio.create_task(watch())

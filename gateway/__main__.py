@@ -43,6 +43,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-keys-file", help="key file (default: $TANDEM_API_KEYS_FILE)")
     p.add_argument("--router", choices=["kv", "round_robin"], help="routing policy (default kv)")
     p.add_argument(
+        "--prefill-policy",
+        choices=["auto", "remote"],
+        help="auto: the cost model prefills locally on D when a remote prefill does not pay; "
+        "remote: always on a prefill instance while one is healthy (default auto)",
+    )
+    p.add_argument(
+        "--route-log",
+        help="append one JSON line per request: route, reason, predicted and measured TTFT",
+    )
+    p.add_argument(
         "--enable-tokenizer-endpoints",
         action="store_true",
         default=None,
@@ -93,6 +103,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         *("host", "port", "model", "served_model_name", "max_model_len", "decode", "prefill"),
         *("redis_url", "metrics_port", "metrics_host", "api_keys_file"),
         *("router", "enable_tokenizer_endpoints", "trust_request_chat_template"),
+        *("prefill_policy", "route_log"),
         *("enable_auto_tool_choice", "tool_call_parser", "reasoning_parser"),
         "exclude_tools_when_tool_choice_none",
     )

@@ -56,6 +56,11 @@ class GatewaySettings(BaseSettings):
     # lives there; without it, the --decode/--prefill lists and an embedded index.
     # "kv": KV-aware (P, D) selection (gateway/kv_router.py); "round_robin": the first cut.
     router: Literal["kv", "round_robin"] = "kv"
+    # "auto": the cost model prefills on D when P/D does not pay; "remote": always on a prefill
+    # instance while one is healthy (pure disaggregation, for comparisons).
+    prefill_policy: Literal["auto", "remote"] = "auto"
+    # One JSON line per request: the route, its predicted and measured TTFT (gateway/kv_router.py).
+    route_log: str | None = None
     # How often the Redis registry is re-read (new and dead instances show up this fast).
     registry_refresh_s: float = Field(0.25, gt=0)
 

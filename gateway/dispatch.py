@@ -17,6 +17,7 @@ makes D abort the request and free its blocks.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -36,8 +37,7 @@ from gateway.errors import (
     hidden_failure,
 )
 from gateway.preprocess import ChildJob
-from gateway.registry import Instance
-from gateway.router import Outcome, Router
+from gateway.router import Outcome, Route, Router
 from protos import common_pb2, decode_pb2
 
 if TYPE_CHECKING:  # the gateway imports no transformers (ARCHITECTURE: light gateway)
@@ -82,12 +82,15 @@ class ChildStream:
         state: RequestState,
         call: grpc.aio.UnaryStreamCall,
         first: decode_pb2.GenerateResponse,
-        decode: Instance,
+        route: Route,
         clients: DecodeClients,
+        router: Router,
+        ttft_s: float,
     ):
-        self.job, self.state, self.call, self.decode = job, state, call, decode
+        self.job, self.state, self.call, self.route = job, state, call, route
+        self.decode = route.decode
         self._first = first
-        self._clients = clients
+        self._clients, self._router, self._ttft_s = clients, router, ttft_s
         self._is_done = False
         self._wants_prompt_logprobs = job.params.prompt_logprobs is not None
 
@@ -107,6 +110,10 @@ class ChildStream:
                     yield delta
                 elif kind == "final":
                     self._is_done = True
+                    num_prompt_tokens = len(self.job.prompt_token_ids)
+                    self._router.observe(
+                        self.route, self._ttft_s, msg.final.timings, num_prompt_tokens
+                    )
                     yield self._on_final(msg.final)
                     return
                 elif kind == "error":
@@ -207,13 +214,14 @@ class Dispatcher:
         self, job: ChildJob, processor: OutputProcessor, opts: RequestOptions
     ) -> ChildStream:
         child_id = f"{job.index}_{opts.request_id}"
+        started_s = time.monotonic()
         # The salt is part of the block hashes: the router must look up what D will hash.
         routes = await self.router.plan(job.prompt_token_ids, opts.cache_salt or None)
         num_refused, tried, replanned = 0, set(), False
         while True:
             for route in routes:
                 tried.add(route.decode.instance_id)
-                stream, refused = await self._try(route, job, child_id, processor, opts)
+                stream, refused = await self._try(route, job, child_id, processor, opts, started_s)
                 if stream is not None:
                     return stream
                 num_refused += refused
@@ -231,7 +239,13 @@ class Dispatcher:
         raise APIError("No decode instance is reachable.", 503, retry_after_s=opts.retry_after_s)
 
     async def _try(
-        self, route, job: ChildJob, child_id: str, processor: OutputProcessor, opts
+        self,
+        route: Route,
+        job: ChildJob,
+        child_id: str,
+        processor: OutputProcessor,
+        opts: RequestOptions,
+        started_s: float,
     ) -> tuple[ChildStream | None, int]:
         """One decode: (its stream, 0) when it admitted the child, (None, 1) when it refused
         (RESOURCE_EXHAUSTED), (None, 0) when unreachable; other failures raise."""
@@ -281,9 +295,11 @@ class Dispatcher:
                 return None, 1
             self.router.report(route.decode, Outcome.OK)
             raise error_from_event(first.error, opts.retry_after_s)
+        ttft_s = time.monotonic() - started_s
         self.router.report(route.decode, Outcome.OK)
         state = processor.add_request(child_id, job.prompt_token_ids, job.params)
-        return ChildStream(job, state, call, first, route.decode, self.clients), 0
+        stream = ChildStream(job, state, call, first, route, self.clients, self.router, ttft_s)
+        return stream, 0
 
 
 def error_from_event(error: common_pb2.Error, retry_after_s: int | None = None) -> APIError:

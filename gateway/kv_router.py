@@ -16,12 +16,23 @@ from __future__ import annotations
 
 import collections
 import contextvars
+import json
 import logging
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from gateway.cost_model import Candidate, CostParams, Decision, plan_routes, ttft_remote
+from gateway.cost_model import (
+    Calibration,
+    Candidate,
+    CostParams,
+    Decision,
+    plan_routes,
+    pool_rate,
+    ttft_local,
+    ttft_remote,
+)
 from gateway.index import BlockIndex, IndexTarget, IndexUnavailable
 from gateway.registry import Instance, InstanceRegistry, InstanceStatus
 from gateway.router import HealthMarks, Outcome, Route, Router
@@ -37,6 +48,28 @@ class RoutingStats:
     route_decisions: collections.Counter = field(default_factory=collections.Counter)
     local_prefill_decisions: int = 0
     index_errors: int = 0
+    # |measured - predicted| / measured TTFT of recent finished requests (prediction quality).
+    ttft_errors: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1000))
+
+    def ttft_error_quantiles(self) -> tuple[float, float]:
+        """(median, p90) of the recent relative TTFT prediction errors; (0, 0) before any."""
+        if len(self.ttft_errors) < 2:
+            return (self.ttft_errors[0],) * 2 if self.ttft_errors else (0.0, 0.0)
+        cuts = statistics.quantiles(self.ttft_errors, n=10, method="inclusive")
+        return statistics.median(self.ttft_errors), cuts[8]
+
+
+class RouteLog:
+    """`--route-log`: one JSON line per finished request (append, line-buffered)."""
+
+    def __init__(self, path: str):
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - open for the gateway's life
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
 
 
 @dataclass(eq=False)  # identity: two requests' equal work are two entries
@@ -129,10 +162,14 @@ class KVRouter(Router):
         cooldown_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         pending: PendingWork | None = None,
+        route_log: RouteLog | None = None,
     ):
         self.registry = registry
         self.index = index
         self.params = params or CostParams()
+        self.calibration = Calibration(self.params)
+        self.route_log = route_log
+        self._pool_rate = self.params.default_prefill_tokens_per_s  # set by each `plan`
         self.health = HealthMarks(cooldown_s, clock)
         self.pending = pending or PendingWork()
         self.stats = RoutingStats()
@@ -150,6 +187,38 @@ class KVRouter(Router):
     async def close(self) -> None:
         if self.index is not None:
             await self.index.close()
+        if self.route_log is not None:
+            self.route_log.close()
+
+    def observe(self, route: Route, ttft_s: float, timings, num_prompt_tokens: int) -> None:
+        if route.prefills and not timings.local_prefill:
+            self.params = self.calibration.observe_remote(ttft_s, timings)
+        elif not route.prefills and route.predicted_ttft_s > 0:
+            compute_s = route.predicted_ttft_s - self.params.local_overhead_s
+            self.params = self.calibration.observe_local(ttft_s, compute_s)
+        if route.predicted_ttft_s > 0 and ttft_s > 0:
+            self.stats.ttft_errors.append(abs(ttft_s - route.predicted_ttft_s) / ttft_s)
+        if self.route_log is None:
+            return
+        self.route_log.write(
+            {
+                "time": round(time.time(), 4),
+                "decode": route.decode.instance_id,
+                "prefill": "" if timings.local_prefill else timings.prefill_instance,
+                "planned": "local" if not route.prefills else "remote",
+                "reason": route.reason,
+                "num_prompt_tokens": num_prompt_tokens,
+                "predicted_ttft_s": round(route.predicted_ttft_s, 5),
+                "measured_ttft_s": round(ttft_s, 5),
+                "kv_transfer_bytes": timings.kv_transfer_bytes,
+                "kv_transfer_s": round(timings.kv_transfer_s, 5),
+                "remote_compute_s": round(timings.remote_compute_s, 5),
+                "kv_wait_s": round(timings.kv_wait_s, 5),
+                "link_bytes_per_s": round(self.params.link_bytes_per_s),
+                "remote_overhead_s": round(self.params.remote_overhead_s, 5),
+                "local_overhead_s": round(self.params.local_overhead_s, 5),
+            }
+        )
 
     def report(self, instance: Instance, outcome: Outcome) -> None:
         self.health.report(instance, outcome)
@@ -177,12 +246,18 @@ class KVRouter(Router):
         statuses = {i.instance_id: self.registry.status(i) for i in (*decodes, *prefills)}
         hits, is_known = await self._lookup(prompt_token_ids, cache_salt, statuses)
         num_tokens = len(prompt_token_ids)
+        decode_ids = {d.instance_id for d in decodes}
+        prefill_candidates = [
+            self._candidate(p, statuses, hits, num_tokens, False, p.instance_id in decode_ids)
+            for p in prefills
+        ]
         decisions = plan_routes(
             [self._candidate(d, statuses, hits, num_tokens, True) for d in decodes],
-            [self._candidate(p, statuses, hits, num_tokens, False) for p in prefills],
+            prefill_candidates,
             num_tokens,
             self.params,
         )
+        self._pool_rate = pool_rate(prefill_candidates, self.params)
         self._record(decisions[0], num_tokens, is_known)
         entries = self._add_pending(decisions[0], num_tokens)
         _ATTEMPTS.set(_Attempts(decisions, num_tokens, entries=entries))
@@ -196,7 +271,14 @@ class KVRouter(Router):
             ttft_remote(p, p.num_hit_tokens, d, d.num_hit_tokens, num_tokens, params)
             for p in x.prefills
         ]
-        return Route(d.instance, tuple(p.instance for p in x.prefills), tuple(predicted))
+        ttft_s = (
+            predicted[0]
+            if predicted
+            else ttft_local(d, d.num_hit_tokens, num_tokens, self._pool_rate, params)
+        )
+        return Route(
+            d.instance, tuple(p.instance for p in x.prefills), tuple(predicted), ttft_s, x.reason
+        )
 
     async def _lookup(
         self,
@@ -228,6 +310,7 @@ class KVRouter(Router):
         hits: dict[str, int],
         num_tokens: int,
         is_decode: bool,
+        also_decodes: bool = False,
     ) -> Candidate:
         s = statuses[instance.instance_id]
         num_reqs, num_tokens_sent = self.pending.get(instance.instance_id, s.as_of_s if s else 0)
@@ -246,6 +329,7 @@ class KVRouter(Router):
             kv_bytes_per_token=s.kv_bytes_per_block / s.block_size if s.block_size else 0.0,
             batch_token_budget=s.max_num_batched_tokens,
             has_room=not (is_decode and is_full),
+            num_decoding=s.num_running if also_decodes else 0,
         )
 
     def _record(self, decision: Decision, num_tokens: int, is_index_known: bool) -> None:
@@ -289,6 +373,16 @@ class RoutingCollector:
             "Requests routed to prefill locally on the decode",
             value=stats.local_prefill_decisions,
         )
+        p50, p90 = stats.ttft_error_quantiles()
+        errors = GaugeMetricFamily(
+            "tandem:route_ttft_prediction_error",
+            "Relative error |measured - predicted| / measured of the cost model's TTFT, over the "
+            "last 1000 finished requests",
+            labels=["quantile"],
+        )
+        errors.add_metric(["0.5"], p50)
+        errors.add_metric(["0.9"], p90)
+        yield errors
         yield GaugeMetricFamily(
             "tandem:routing_degraded",
             "1 while routing by load alone (block index unavailable)",

@@ -68,12 +68,15 @@ class WatchedIndex(EmbeddedIndex):
         self._channels: list[grpc.aio.Channel] = []
 
     async def start(self) -> None:
+        watched = set()  # a kv_both decode is in both pools: one stream for it
         for role, instances in (
             ("decode", self.registry.decodes()),
             ("prefill", self.registry.prefills()),
         ):
             for instance in instances:
-                self._tasks.append(asyncio.create_task(self._watch(instance, role)))
+                if instance.instance_id not in watched:
+                    watched.add(instance.instance_id)
+                    self._tasks.append(asyncio.create_task(self._watch(instance, role)))
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -138,7 +138,9 @@ class RedisRegistry(InstanceRegistry):
         pools: dict[str, list[Instance]] = {"decode": [], "prefill": []}
         statuses = {}
         for r, sealed in records:
-            pools[r.role].append(Instance(r.address, r.instance_id, r.epoch, sealed))
+            instance = Instance(r.address, r.instance_id, r.epoch, sealed)
+            for role in ("decode", "prefill") if r.role == "both" else (r.role,):
+                pools[role].append(instance)
             statuses[r.instance_id] = status_from_record(r)
         if time.monotonic() < self._recovering_until:
             for role, old in (("decode", self._decodes), ("prefill", self._prefills)):

@@ -28,6 +28,10 @@ class Route:
     # Per prefill, the predicted seconds to the first token (queue + compute + transfer); empty
     # when the router does not predict. The decode bounds its wait for that prefill by it.
     predicted_prefill_s: tuple[float, ...] = ()
+    # The router's prediction of this attempt's time to first token and why it chose it; what
+    # was measured comes back through `Router.observe`.
+    predicted_ttft_s: float = 0.0
+    reason: str = ""
 
 
 class Outcome(enum.Enum):
@@ -65,6 +69,11 @@ class Router(ABC):
         return None  # stateless by default
 
     async def close(self) -> None:
+        return None
+
+    def observe(self, route: Route, ttft_s: float, timings, num_prompt_tokens: int) -> None:
+        """A request admitted on `route` finished: its TTFT as the gateway saw it and D's
+        `Timings`. Called on the event loop; no I/O beyond a buffered log line."""
         return None
 
     async def refresh_instances(self) -> bool:

@@ -53,7 +53,12 @@ def build_router(settings: GatewaySettings, registry: InstanceRegistry) -> Route
     cooldown_s = settings.unhealthy_cooldown_s
     if settings.router == "round_robin":
         return RoundRobinRouter(registry, cooldown_s=cooldown_s)
-    from gateway.kv_router import KVRouter
+    from gateway.cost_model import CostParams
+    from gateway.kv_router import KVRouter, RouteLog
+
+    params = CostParams(allow_local=settings.prefill_policy == "auto")
+    log = RouteLog(settings.route_log) if settings.route_log else None
+    kw = dict(params=params, cooldown_s=cooldown_s, route_log=log)
 
     if uses_discovery(settings):
         import redis.asyncio
@@ -66,9 +71,9 @@ def build_router(settings: GatewaySettings, registry: InstanceRegistry) -> Route
             socket_connect_timeout=INDEX_TIMEOUT_S,
             retry=_no_retry(),
         )
-        return KVRouter(registry, RedisBlockIndex(client), cooldown_s=cooldown_s)
+        return KVRouter(registry, RedisBlockIndex(client), **kw)
     if isinstance(registry, StaticRegistry):
         from gateway.kv_watch import WatchedIndex
 
-        return KVRouter(registry, WatchedIndex(registry), cooldown_s=cooldown_s)
-    return KVRouter(registry, None, cooldown_s=cooldown_s)  # load only
+        return KVRouter(registry, WatchedIndex(registry), **kw)
+    return KVRouter(registry, None, **kw)  # load only

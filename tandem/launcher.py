@@ -141,13 +141,23 @@ SERVE_ONLY: dict[str, tuple[object, str]] = {
         None,
         f"quotas, registry and block index in Redis; no password here (use ${REDIS_URL_ENV})",
     ),
+    "--num-gpus": (
+        None,
+        "GPUs to spread the services over, one after another in start order (prefills first); "
+        "None: every visible GPU",
+    ),
+    "--decode-kv-role": (
+        "kv_consumer",
+        "kv_both: every decode also serves prefills for the others, and the gateway's cost "
+        "model picks per request where to prefill (locally, or on another instance)",
+    ),
     "--metrics-port": (
         None,
         "Prometheus /metrics on loopback: the gateway on this port, the services on the next "
         "ones in start order (0: free ports); the URLs are printed at start-up; off if unset",
     ),
 }
-SERVE_TYPES = {"--metrics-port": int}
+SERVE_TYPES = {"--metrics-port": int, "--num-gpus": int}
 
 
 # The gateway's own flags: `tandem serve` passes them to its gateway only (vLLM's names).
@@ -157,9 +167,15 @@ GATEWAY_SWITCHES: dict[str, str] = {
     "--trust-request-chat-template": "let requests pass their own chat_template",
     "--exclude-tools-when-tool-choice-none": 'leave tools out of the prompt for tool_choice "none"',
 }
-GATEWAY_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
+GATEWAY_VALUES: dict[str, tuple[tuple[str, ...] | None, str]] = {  # (choices or any, help)
     "--tool-call-parser": (tuple(TOOL_PARSERS), "how tool calls are read from the model's text"),
     "--reasoning-parser": (tuple(REASONING_PARSERS), "split <think> into reasoning_content"),
+    "--prefill-policy": (
+        ("auto", "remote"),
+        "auto: the cost model prefills on a decode when a remote prefill does not pay; remote: "
+        "always on a prefill instance while one is up (default auto)",
+    ),
+    "--route-log": (None, "append one JSON line per request: route, predicted and measured TTFT"),
 }
 
 
@@ -205,6 +221,8 @@ def serve_main(argv: list[str] | None = None) -> int:
         parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     if args.num_decode < 1 or args.num_prefill < 0:
         parser.error("need --num-decode >= 1 and --num-prefill >= 0")
+    if args.decode_kv_role not in ("kv_consumer", "kv_both"):
+        parser.error(f"--decode-kv-role {args.decode_kv_role}: choose kv_consumer or kv_both")
     try:
         redis_url = resolve_redis_url(args.redis_url)
     except ValueError as e:
@@ -236,16 +254,24 @@ def serve_main(argv: list[str] | None = None) -> int:
         # The URL (it may hold a password) reaches the children by environment, never argv.
         if redis_url:
             os.environ[REDIS_URL_ENV] = redis_url
-        shares = gpu_memory_shares(args, argv, len(roles))
+        placement = gpu_placement(args, argv, len(roles), args.num_gpus)
         metrics = [_metrics_flags(p) for p in metrics_ports]
+        both = ["--kv-role", "kv_both"] if args.decode_kv_role == "kv_both" else []
+        role_flags = [both if role == "decode" else [] for role in roles]
         started = [
-            cluster.start(role, svc + share + m, stopping=stopping)
-            for role, share, m in zip(roles, shares, metrics[1:])
+            cluster.start(role, svc + flags + share + m, stopping=stopping)
+            for role, flags, share, m in zip(roles, role_flags, placement, metrics[1:])
         ]
-        for child, m in zip(started, metrics[1:]):
-            # A replacement starts while all the others run: it gets the last (whole) share.
-            supervisor.watch(child, _on_port(svc + shares[-1] + m, child.address))
+        for i, (child, m) in enumerate(zip(started, metrics[1:])):
+            # A replacement starts while all the others run: on its GPU, it gets the share of
+            # the last service started there (the whole rest).
+            gpu = _gpu_of(placement[i])
+            last = max(k for k, share in enumerate(placement) if _gpu_of(share) == gpu)
+            restart = svc + role_flags[i] + placement[last] + m
+            supervisor.watch(child, _on_port(restart, child.address))
         prefills, decodes = started[: args.num_prefill], started[args.num_prefill :]
+        if both:
+            prefills = prefills + decodes
         instances = (
             []
             if redis_url
@@ -318,21 +344,47 @@ def _metrics_flags(port: int) -> list[str]:
     return ["--metrics-port", str(port)] if port else []
 
 
-def gpu_memory_shares(args: argparse.Namespace, argv: list[str], n: int) -> list[list[str]]:
-    """Extra flags per service so that n services on one GPU split its memory.
+def gpu_placement(
+    args: argparse.Namespace, argv: list[str], n: int, num_gpus: int | None = None
+) -> list[list[str]]:
+    """Extra flags per service (in start order) placing n services on the GPUs.
 
-    Services start one after another and each sizes its KV cache from `gpu_memory_utilization`
-    x total minus everything already in use on the GPU (its own weights and activations and the
-    services started before it). Giving the i-th service the cumulative share (i + 1) / n of the
-    requested utilization therefore leaves each about 1 / n of it. Nothing changes on CPU or
-    when the user sized the KV cache explicitly.
+    With several GPUs (`--num-gpus`, default every visible one) service i runs on GPU
+    i mod num_gpus (`--device cuda:K`): prefills are started first, so 1 prefill + 1 decode on
+    two GPUs get one each, and two decodes (colocated replicas) likewise.
+
+    Services sharing a GPU split its memory: they start one after another and each sizes its
+    KV cache from `gpu_memory_utilization` x total minus everything already in use on the GPU
+    (its own weights and activations and the services started before it). Giving the j-th
+    service on a GPU the cumulative share (j + 1) / m of the requested utilization therefore
+    leaves each of its m services about 1 / m of it. Nothing changes on CPU; the memory split is
+    skipped when the user sized the KV cache explicitly.
     """
-    explicit = ("--gpu-memory-utilization", "--kv-cache-memory-bytes", "--num-gpu-blocks-override")
     on_gpu = args.device == "cuda" or (args.device == "auto" and _cuda_available())
-    if not on_gpu or any(a.split("=")[0] in explicit for a in argv):
+    if not on_gpu or args.device.startswith("cuda:"):
         return [[] for _ in range(n)]
+    num_gpus = max(1, min(num_gpus or _cuda_device_count(), n))
+    gpus = [i % num_gpus for i in range(n)]
+    flags = [["--device", f"cuda:{g}"] if num_gpus > 1 else [] for g in gpus]
+    explicit = ("--gpu-memory-utilization", "--kv-cache-memory-bytes", "--num-gpu-blocks-override")
+    if any(a.split("=")[0] in explicit for a in argv):
+        return flags
     util = args.gpu_memory_utilization
-    return [["--gpu-memory-utilization", f"{util * (i + 1) / n:.4f}"] for i in range(n)]
+    for i, g in enumerate(gpus):
+        m, j = gpus.count(g), gpus[:i].count(g)
+        if m > 1:
+            flags[i] += ["--gpu-memory-utilization", f"{util * (j + 1) / m:.4f}"]
+    return flags
+
+
+def _gpu_of(flags: list[str]) -> str:
+    return flags[flags.index("--device") + 1] if "--device" in flags else ""
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _cuda_available() -> bool:

@@ -51,14 +51,19 @@ def deploy(
     engine_flags: list[str],
     decode_flags: list[str] = (),
     gateway_flags: list[str] = (),
+    kv_both: bool = False,
 ) -> Deployment:
+    """`kv_both`: the decodes also serve prefills (`--kv-role kv_both`) and the gateway lists
+    them as prefills too."""
     cluster = Cluster(log_prefix=False)
+    both = ["--kv-role", "kv_both"] if kv_both else []
     try:
         prefills = [cluster.start("prefill", [model, *engine_flags]) for _ in range(num_prefill)]
         decodes = [
-            cluster.start("decode", [model, *engine_flags, *decode_flags])
+            cluster.start("decode", [model, *engine_flags, *decode_flags, *both])
             for _ in range(num_decode)
         ]
+        prefills_listed = prefills + (decodes if kv_both else [])
         gw = [
             "--model",
             model,
@@ -68,8 +73,8 @@ def deploy(
             ",".join(c.address for c in decodes),
             *gateway_flags,
         ]
-        if prefills:
-            gw += ["--prefill", ",".join(c.address for c in prefills)]
+        if prefills_listed:
+            gw += ["--prefill", ",".join(c.address for c in prefills_listed)]
         max_len = engine_flags[engine_flags.index("--max-model-len") + 1]
         gateway = cluster.start("gateway", [*gw, "--max-model-len", max_len])
     except BaseException:

@@ -36,8 +36,8 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.kv = KVCacheManager(num_blocks=64, block_size=BS)
-        self.scheduler = SimpleNamespace(requests={})
-        self.source = KVEventSource(self, measure_prefill=False, interval_s=0.01)
+        self.scheduler = SimpleNamespace(requests={}, num_steps=0, num_prompt_tokens_computed=0)
+        self.source = KVEventSource(self, measure_prefill="", interval_s=0.01)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 
 import pytest
 
-from tandem.launcher import Child, _on_port, _without, gpu_memory_shares
+from tandem.launcher import Child, _on_port, _without, gpu_placement
 from tandem.supervisor import GiveUpError, RestartPolicy, Supervisor
 
 
@@ -15,17 +16,55 @@ def _args(device: str, util: float = 0.9) -> argparse.Namespace:
     return argparse.Namespace(device=device, gpu_memory_utilization=util)
 
 
+def _util(k: int, m: int) -> list[str]:
+    return ["--gpu-memory-utilization", f"{0.9 * k / m:.4f}"]
+
+
 def test_services_on_one_gpu_split_its_memory_cumulatively():
-    shares = gpu_memory_shares(_args("cuda"), ["m", "--device", "cuda"], 3)
-    assert shares == [["--gpu-memory-utilization", f"{0.9 * k / 3:.4f}"] for k in (1, 2, 3)]
+    shares = gpu_placement(_args("cuda"), ["m", "--device", "cuda"], 3, num_gpus=1)
+    assert shares == [_util(k, 3) for k in (1, 2, 3)]
+
+
+def test_services_spread_over_gpus_in_start_order_and_split_each_gpu():
+    # 1 prefill + 1 decode on two GPUs: one each, the whole of it
+    assert gpu_placement(_args("cuda"), [], 2, num_gpus=2) == [
+        ["--device", "cuda:0"],
+        ["--device", "cuda:1"],
+    ]
+    # 2 prefills + 2 decodes on two GPUs: a prefill and a decode share each
+    shares = gpu_placement(_args("cuda"), [], 4, num_gpus=2)
+    assert shares == [
+        ["--device", "cuda:0", *_util(1, 2)],
+        ["--device", "cuda:1", *_util(1, 2)],
+        ["--device", "cuda:0", *_util(2, 2)],
+        ["--device", "cuda:1", *_util(2, 2)],
+    ]
+    # more GPUs than services: one service per GPU, the rest idle
+    assert gpu_placement(_args("cuda"), [], 1, num_gpus=8) == [[]]
 
 
 def test_no_split_on_cpu_or_when_sized_explicitly():
-    assert gpu_memory_shares(_args("cpu"), [], 2) == [[], []]
+    assert gpu_placement(_args("cpu"), [], 2) == [[], []]
     argv = ["--device", "cuda", "--kv-cache-memory-bytes", "1000"]
-    assert gpu_memory_shares(_args("cuda"), argv, 2) == [[], []]
+    assert gpu_placement(_args("cuda"), argv, 2, num_gpus=1) == [[], []]
     argv = ["--device", "cuda", "--gpu-memory-utilization=0.5"]
-    assert gpu_memory_shares(_args("cuda", 0.5), argv, 2) == [[], []]
+    assert gpu_placement(_args("cuda", 0.5), argv, 2, num_gpus=1) == [[], []]
+    # a GPU named by the user is theirs to choose: nothing is spread
+    assert gpu_placement(_args("cuda:1"), [], 2, num_gpus=2) == [[], []]
+
+
+def test_pin_gpu_puts_the_named_gpu_first_and_keeps_the_others_visible(monkeypatch):
+    from engine.service_main import pin_gpu
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    assert pin_gpu("cuda:1") == "cuda"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "5,4,6"
+    assert pin_gpu("cpu") == "cpu" and pin_gpu("cuda") == "cuda"
+    with pytest.raises(ValueError, match="no such GPU"):
+        pin_gpu("cuda:7")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert pin_gpu("cuda:1") == "cuda"
+    assert os.environ["CUDA_VISIBLE_DEVICES"].startswith("1,0,2,3,")
 
 
 def test_serve_only_flags_are_not_passed_to_services():
