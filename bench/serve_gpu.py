@@ -113,7 +113,17 @@ def main() -> None:
     ap.add_argument("--concurrency", default="64,256,512")
     ap.add_argument("--modes", default="pd,colocated")
     ap.add_argument("--no-offline", dest="offline", action="store_false")
+    ap.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="the services' per-request prompt chunk (online serving; 0: the whole budget)",
+    )
     args = ap.parse_args()
+    if args.long_prefill_token_threshold:
+        ENGINE_FLAGS.extend(
+            ["--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
+        )
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

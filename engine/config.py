@@ -126,6 +126,10 @@ class SchedulerConfig:
     max_num_queued_tokens: int | None = None
     policy: str = "fcfs"
     enable_chunked_prefill: bool = True
+    # vLLM's long_prefill_token_threshold: at most this many of one request's prompt tokens per
+    # step (0: no cap). Online serving sets it so that a long prompt is spread over several
+    # steps and the decodes batched with it never wait behind one huge chunk.
+    long_prefill_token_threshold: int = 0
     # Launch decode step N+1 before reading step N's tokens (steady greedy decode under CUDA
     # graphs): the host's scheduling and output work overlaps the GPU. None: on with graphs.
     async_scheduling: bool | None = None
@@ -146,6 +150,16 @@ class SchedulerConfig:
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"Unknown scheduling policy {self.policy!r}; use 'fcfs' or 'priority'."
+            )
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be 0 (no cap) or positive, got "
+                f"{self.long_prefill_token_threshold}."
+            )
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError(
+                "long_prefill_token_threshold splits prompts over steps: it needs chunked "
+                "prefill. Enable chunked prefill or set the threshold to 0."
             )
 
 
@@ -201,6 +215,7 @@ class EngineConfig:
         max_num_queued_tokens: int | None = None,
         scheduling_policy: str = "fcfs",
         enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
         async_scheduling: bool | None = None,
         load_format: str = "auto",
         enforce_eager: bool = False,
@@ -261,6 +276,7 @@ class EngineConfig:
             max_num_queued_tokens=max_num_queued_tokens,
             policy=scheduling_policy,
             enable_chunked_prefill=enable_chunked_prefill,
+            long_prefill_token_threshold=long_prefill_token_threshold,
             async_scheduling=async_scheduling,
         )
         return cls(model_config, cache_config, scheduler_config, device, structured_outputs)

@@ -151,6 +151,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        # A request's share of one step (its prompt's next chunk); no cap: the whole budget.
+        cap = self.config.long_prefill_token_threshold or budget
         scheduled_ids: set[str] = set()
 
         for request in list(self.running):
@@ -158,7 +160,7 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget, cap)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
             while not self.kv.allocate_slots(request, num_new):
                 victim = self._choose_victim(exclude=scheduled_ids)
@@ -185,7 +187,7 @@ class Scheduler:
             num_new = request.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
-            num_new = min(num_new, budget)
+            num_new = min(num_new, budget, cap)
             if not self.kv.allocate_slots(request, num_new, hit_blocks):
                 break
             self.waiting.pop()

@@ -91,6 +91,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="token budget of one step (None: max(8192, --max-num-seqs))",
     )
     parser.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="most prompt tokens of one request per step (vLLM's name; 0: no cap): spreads a "
+        "long prompt over steps so the decodes batched with it keep their pace",
+    )
+    parser.add_argument(
         "--max-num-queued-reqs",
         type=int,
         default=None,
@@ -152,6 +159,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_queued_reqs=args.max_num_queued_reqs,
         max_num_queued_tokens=args.max_num_queued_tokens,
         enable_prefix_caching=args.enable_prefix_caching,

@@ -307,4 +307,6 @@ def test_reasoning_then_grammar_in_the_pipeline(engines, monkeypatch):
     after = asyn.tokenizer.decode(got[0].token_ids[k + 1 :], skip_special_tokens=True)
     assert got[0].finish_reason == "stop" and after.isdigit() and len(after) == 3, after
     masked = asyn.engine.runner.num_async_grammar_steps - masked_before
-    assert masked >= 3 and len(split) - masked >= 2  # grammar steps; reasoning steps
+    # Grammar steps were pipelined with a mask, reasoning steps without one. How many of the
+    # grammar's steps pipeline depends on when its compile lands (another thread), so >= 1.
+    assert masked >= 1 and len(split) - masked >= 2

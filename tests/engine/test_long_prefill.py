@@ -1,0 +1,63 @@
+"""`long_prefill_token_threshold` (vLLM's name): a long prompt is spread over several steps of
+at most that many tokens, the decodes batched with it keep getting a token every step, and the
+output equals transformers' all the same."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.config import SchedulerConfig
+from engine.request import Request
+from tests.engine.hf_reference import hf_greedy
+
+THRESHOLD = 32
+
+
+def test_a_long_prompt_is_chunked_while_decodes_keep_their_pace(tiny_llama_path):
+    llm = LLM(
+        str(tiny_llama_path),
+        max_model_len=512,
+        long_prefill_token_threshold=THRESHOLD,
+        async_scheduling=False,
+    )
+    core = llm.engine
+    rng = random.Random(0)
+    short = [[rng.randrange(3, 2000) for _ in range(8)] for _ in range(3)]
+    long = [rng.randrange(3, 2000) for _ in range(200)]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for i, prompt in enumerate(short):
+        core.add_request(Request(f"s{i}", prompt, greedy, llm.eos_token_ids))
+    core.step()  # the short prompts are prefilled: from now on they decode
+    core.add_request(Request("long", long, greedy, llm.eos_token_ids))
+    schedule, steps = core.scheduler.schedule, []
+
+    def spy():
+        out = schedule()
+        steps.append({s.request.request_id: s.num_new_tokens for s in out.scheduled})
+        return out
+
+    core.scheduler.schedule = spy
+    outputs: dict[str, list[int]] = {}
+    while core.has_unfinished_requests():
+        for o in core.step():
+            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    prefill_steps = [s for s in steps if s.get("long", 1) > 1]
+    assert [s["long"] for s in prefill_steps] == [THRESHOLD] * 6 + [200 - 6 * THRESHOLD]
+    for s in prefill_steps:  # the decodes (16 tokens each: running throughout) got theirs
+        assert [s.get(f"s{i}") for i in range(3)] == [1, 1, 1]
+    assert outputs["long"] == hf_greedy(tiny_llama_path, long, 16)
+
+
+def test_the_threshold_needs_chunked_prefill_and_is_not_negative():
+    with pytest.raises(ValueError, match="needs chunked prefill"):
+        SchedulerConfig(
+            max_num_batched_tokens=4096,
+            max_model_len=2048,
+            enable_chunked_prefill=False,
+            long_prefill_token_threshold=64,
+        )
+    with pytest.raises(ValueError, match="0 \\(no cap\\) or positive"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
