@@ -239,6 +239,8 @@ def test_pool_grows_and_shrinks_without_a_gateway_restart(kv):
 
     router.plan = spy
 
+    first_chunk = asyncio.Event()  # past it the stream is mid-stream: a kill is an error
+
     async def long_stream():
         async with kv.client() as client:
             stream = await client.completions.create(
@@ -249,7 +251,7 @@ def test_pool_grows_and_shrinks_without_a_gateway_restart(kv):
                 extra_body={"ignore_eos": True},
             )
             async for _ in stream:
-                pass
+                first_chunk.set()
 
     async def running_decode(task, timeout_s: float = 10.0):
         """The decode that runs the stream, as soon as one does."""
@@ -264,6 +266,7 @@ def test_pool_grows_and_shrinks_without_a_gateway_restart(kv):
 
     async def kill_mid_stream():
         task = asyncio.ensure_future(long_stream())
+        await asyncio.wait_for(first_chunk.wait(), 10)  # before it, D's death is retried
         victim = await running_decode(task)
         victim.proc.kill()
         with pytest.raises(openai.APIError):  # a clean error event, not a hang
