@@ -101,10 +101,20 @@ class AsyncEngine:
                 if first.finish_reason is not None:
                     finished = True
                     return
+            carry = None  # an exception taken from the queue while coalescing
             while True:
-                item = await q.get()
+                item, carry = (carry, None) if carry is not None else (await q.get(), None)
                 if isinstance(item, BaseException):
                     raise item
+                # One message per wake-up, not per token, when the consumer fell behind the
+                # engine (a busy event loop, a slow client): it catches up instead of falling
+                # further behind (vLLM's RequestOutputCollector merges the same way).
+                while item.finish_reason is None and not q.empty():
+                    nxt = q.get_nowait()
+                    if not isinstance(nxt, EngineCoreOutput):
+                        carry = nxt  # raised after what came before it
+                        break
+                    item = merge_outputs(item, nxt)
                 yield item
                 if item.finish_reason is not None:
                     finished = True
@@ -225,3 +235,16 @@ def _set_result(fut: asyncio.Future, result: Any) -> None:
 def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
     if not fut.cancelled():
         fut.set_exception(exc)
+
+
+def merge_outputs(a: EngineCoreOutput, b: EngineCoreOutput) -> EngineCoreOutput:
+    """One request's two consecutive outputs as one."""
+    return EngineCoreOutput(
+        a.request_id,
+        a.new_token_ids + b.new_token_ids,
+        a.new_logprobs + b.new_logprobs,
+        a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+        b.finish_reason,
+        b.stop_reason,
+        b.num_cached_tokens or a.num_cached_tokens,
+    )

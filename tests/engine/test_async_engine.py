@@ -116,7 +116,7 @@ def test_raising_step_kills_the_loop_fails_streams_and_fires_on_death():
 
     try:
         outs = asyncio.run(asyncio.wait_for(consume(), DEADLINE_S))
-        assert [o.new_token_ids for o in outs] == [[1], [2]]
+        assert [t for o in outs for t in o.new_token_ids] == [1, 2]  # 1 or 2 messages
         assert fired.wait(DEADLINE_S), "on_death was not called"
         assert isinstance(died[0], RuntimeError) and not engine.is_alive
         with pytest.raises(EngineDeadError):
@@ -148,5 +148,70 @@ def test_a_call_queued_when_the_loop_dies_fails_instead_of_hanging():
 
     try:
         asyncio.run(run())
+    finally:
+        engine.shutdown()
+
+
+class FiveTokenCore(FakeCore):
+    """Five tokens, then "length"; tokens 2.. only once `go` is set (the consumer has read the
+    first), and `produced` once all five are out."""
+
+    def __init__(self):
+        super().__init__()
+        self.go, self.produced = threading.Event(), threading.Event()
+
+    def step(self) -> list[EngineCoreOutput]:
+        if self.num_steps == 1:
+            assert self.go.wait(DEADLINE_S)
+        out = super().step()[0]
+        if self.num_steps == 5:
+            out.finish_reason, self.running = "length", None
+            self.produced.set()
+        out.new_logprobs = [{out.new_token_ids[0]: -0.5}]
+        return [out]
+
+
+def test_a_consumer_that_falls_behind_gets_the_queued_tokens_in_one_message():
+    core = FiveTokenCore()
+    engine = AsyncEngine(core, idle_wait_s=0.001)
+
+    async def consume() -> list[EngineCoreOutput]:
+        outs = []
+        async for out in engine.generate(FakeRequest()):
+            outs.append(out)
+            if len(outs) == 1:  # fall behind: the engine produces the rest meanwhile
+                core.go.set()
+                assert await asyncio.to_thread(core.produced.wait, DEADLINE_S)
+        return outs
+
+    try:
+        outs = asyncio.run(asyncio.wait_for(consume(), DEADLINE_S))
+        assert [o.new_token_ids for o in outs] == [[1], [2, 3, 4, 5]]
+        assert outs[1].new_logprobs == [{t: -0.5} for t in (2, 3, 4, 5)]
+        assert outs[1].finish_reason == "length"
+    finally:
+        engine.shutdown()
+
+
+def test_an_error_queued_behind_tokens_is_raised_after_them():
+    core = FiveTokenCore()
+    core.fail_at_step = 4
+    engine = AsyncEngine(core, idle_wait_s=0.001)
+    dead = threading.Event()
+    engine.on_death.append(lambda exc: dead.set())
+
+    async def consume() -> list[EngineCoreOutput]:
+        outs = []
+        with pytest.raises(EngineDeadError):
+            async for out in engine.generate(FakeRequest()):
+                outs.append(out)
+                if len(outs) == 1:
+                    core.go.set()
+                    assert await asyncio.to_thread(dead.wait, DEADLINE_S)
+        return outs
+
+    try:
+        outs = asyncio.run(asyncio.wait_for(consume(), DEADLINE_S))
+        assert [o.new_token_ids for o in outs] == [[1], [2, 3]]
     finally:
         engine.shutdown()
