@@ -44,7 +44,7 @@ from engine.serving import (
 )
 from kv_transfer import Agent
 from prefill_svc.server import SERVICE_NAME as PREFILL_SERVICE_NAME
-from prefill_svc.server import PrefillServicer
+from prefill_svc.server import PrefillServicer, add_transfer_timeout_arg
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -247,12 +247,7 @@ def build_parser():
         choices=["kv_consumer", "kv_both"],
         help="kv_both: also serve prefills for other decodes (tandem.v1.Prefill) on this engine",
     )
-    parser.add_argument(
-        "--transfer-timeout-s",
-        type=float,
-        default=30.0,
-        help="kv_both: how long KV writes for another decode may stay in flight",
-    )
+    add_transfer_timeout_arg(parser)  # kv_both: its writes into other decodes
     return parser
 
 

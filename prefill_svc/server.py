@@ -236,13 +236,18 @@ def build_parser():
         default=30.0,
         help="no KV write is issued after this long since the request arrived",
     )
+    add_transfer_timeout_arg(parser)
+    return parser
+
+
+def add_transfer_timeout_arg(parser) -> None:
+    """Also a kv_both decode's (decode_svc/server.py): it sends KV as a prefill does."""
     parser.add_argument(
         "--transfer-timeout-s",
         type=float,
         default=30.0,
         help="how long a request's KV writes may stay in flight before they are abandoned",
     )
-    return parser
 
 
 async def serve(args) -> None:

@@ -23,6 +23,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.request import PLACEHOLDER, Request
 from engine.sampling_params import StructuredOutputsParams as SO
+from tests.engine import test_structured_output
 from tests.gpu import GPU_ONLY
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 21, 33, 8, 17, 40)]
@@ -146,26 +147,8 @@ def test_pipelines_while_requests_wait_for_a_slot(tiny_qwen3_path):
 
 
 # ---- structured outputs: the split step -------------------------------------------------------
-SMALL_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "n": {"type": "integer", "minimum": 0, "maximum": 99},
-        "ok": {"type": "boolean"},
-    },
-    "required": ["n", "ok"],
-    "additionalProperties": False,
-}
-PERSON_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
-        "active": {"type": "boolean"},
-    },
-    "required": ["name", "age", "tags", "active"],
-    "additionalProperties": False,
-}
+# The schemas of the structured-output tests: one small, one with a pattern, enums and arrays.
+SMALL_SCHEMA, PERSON_SCHEMA = test_structured_output.SMALL_SCHEMA, test_structured_output.SCHEMA
 
 
 def _constrained(so: SO, max_tokens: int = 60, **kw) -> SamplingParams:
