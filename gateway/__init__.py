@@ -2,6 +2,9 @@
 
 Module map:
   __main__     `main(argv)`: flags → settings → uvicorn (`tandem gateway`, `python -m gateway`)
+  workers      `--workers N`: the parent that runs N gateway processes on one port (SO_REUSEPORT)
+  worker_metrics  the parent's one metrics port: every worker's series, `worker`-labelled
+  shedding     load shedding: an adaptive bound on requests in flight, 503 + Retry-After past it
   config       GatewaySettings (pydantic-settings; flags and TANDEM_GATEWAY_* variables)
   app          create_app: state, routes, error handlers, access log
   deps         GatewayState and the `GatewayDep` / `PrincipalDep` dependencies
@@ -10,6 +13,7 @@ Module map:
   auth         API keys (env / key file) → Principal (tenant, trust group, limits); sha256 only
   quota        quota contract (sliding-window log, slots) + the in-memory backend
   quota_redis  the same semantics in Redis, one Lua script per step
+  quota_resp   runs those scripts: one lean pipelined Redis connection (redis-py if it cannot)
   quota_service  reserve / release per request; Redis ↔ memory failover (degraded)
   accounting   per request: reserve, settle with actual usage, vLLM metrics, on every exit
   metrics      Prometheus registry (vLLM names + tandem:*) on an internal port

@@ -6,7 +6,10 @@ import argparse
 import asyncio
 import gc
 import logging
-from collections.abc import Sequence
+import socket
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 import uvicorn
 from pydantic import ValidationError
@@ -65,9 +68,37 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="let requests pass their own chat_template (vLLM's flag; default: refused)",
     )
     add_tool_and_reasoning_args(p)
+    add_capacity_args(p)
     p.add_argument("--log-level", default="info")
     internal_auth.add_internal_auth_args(p)  # the token and TLS files: environment only
     return p.parse_args(argv)
+
+
+def add_capacity_args(p: argparse.ArgumentParser) -> None:
+    """Worker processes and load shedding (gateway/workers.py, gateway/shedding.py)."""
+    p.add_argument(
+        "--workers",
+        "--api-server-count",  # vLLM's name
+        dest="workers",
+        type=int,
+        default=1,
+        help="gateway processes behind the one port (vLLM: --api-server-count; default 1). "
+        "More than 1 needs --redis-url: the workers share quotas, registry and index there",
+    )
+    p.add_argument(
+        "--shed-busy-fraction",
+        type=float,
+        help="load shedding: a process admits fewer requests at once (the rest get 503 + "
+        "Retry-After) while its event loop is busy, running or waiting for a CPU, more than "
+        "this share of the time (default 0.9; 0: off)",
+    )
+    p.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        help="load shedding: at most this many requests in flight per process, streams "
+        "included; more get 503 + Retry-After (default 0: no fixed cap)",
+    )
+    p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)  # set by --workers
 
 
 def add_tool_and_reasoning_args(p: argparse.ArgumentParser) -> None:
@@ -106,6 +137,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         *("prefill_policy", "route_log"),
         *("enable_auto_tool_choice", "tool_call_parser", "reasoning_parser"),
         "exclude_tools_when_tool_choice_none",
+        *("shed_busy_fraction", "max_inflight_requests"),
     )
     explicit = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     if "served_model_name" in explicit:  # `--served-model-name a b` or `a,b`
@@ -115,9 +147,14 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    is_worker = args.worker_index is not None
+    who = f"[worker {args.worker_index}] " if is_worker else ""
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s",
     )
+    if args.workers < 1:
+        raise SystemExit(f"tandem gateway: --workers {args.workers}: at least 1")
     try:  # before the tokenizer loads: a gateway that must not start stops at once
         internal_auth.check_startup(args.insecure_internal)
     except internal_auth.InternalAuthError as e:
@@ -130,13 +167,24 @@ def main(argv: Sequence[str] | None = None) -> None:
         settings = settings_from_args(args)
     except ValidationError as e:
         raise SystemExit(f"tandem gateway: invalid settings:\n{e}") from None
-    error = bind_error(settings.host, settings.port)  # a taken port: one line, before loading
+    if args.workers > 1 and not settings.redis_url:
+        raise SystemExit(
+            f"tandem gateway: --workers {args.workers} needs --redis-url (or $TANDEM_REDIS_URL, "
+            "$TANDEM_REDIS_URL_FILE): the workers must share API-key quotas, the instance "
+            "registry and the block index, which only Redis can hold for several processes"
+        )
+    # A taken port: one line, before loading (a worker's port is its parent's, already bound).
+    error = None if is_worker else bind_error(settings.host, settings.port)
     if error is not None:
         raise SystemExit(f"tandem gateway: {error}")
     try:  # keys before the tokenizer loads: a misconfigured gateway stops at once
         KeyStore.from_settings(settings)
     except ValueError as e:  # key file errors name lines, never keys
         raise SystemExit(f"tandem gateway: {e}") from None
+    if args.workers > 1 and not is_worker:  # the parent: no app, N workers
+        from gateway.workers import run_parent
+
+        raise SystemExit(run_parent(sys.argv[1:] if argv is None else argv, settings, args.workers))
     try:
         app = create_app(settings)
     except ValueError as e:  # key file errors name lines, never keys
@@ -156,18 +204,44 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, access_log=False, log_level=args.log_level
     )
-    asyncio.run(_serve(uvicorn.Server(config)))
+    if not is_worker:
+        _run(_serve(uvicorn.Server(config)))
+        return
+    from gateway.workers import READY_PREFIX, reuseport_socket
+
+    sock = reuseport_socket(settings.host, settings.port)  # uvicorn listens on it
+
+    def ready_line(address: str) -> str:
+        metrics = app.state.gateway.edge.metrics_address
+        return f"{READY_PREFIX}{address} {f'{metrics[0]}:{metrics[1]}' if metrics else '-'}"
+
+    _run(_serve(uvicorn.Server(config), [sock], ready_line))
 
 
-async def _serve(server: uvicorn.Server) -> None:
+def _run(main: Coroutine[Any, Any, None]) -> None:
+    """On uvloop when it is installed (a cheaper loop: less CPU per request), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
+
+
+async def _serve(
+    server: uvicorn.Server,
+    sockets: list[socket.socket] | None = None,
+    ready_line: Callable[[str], str] | None = None,
+) -> None:
     """Run uvicorn; print `READY gateway host:port` once it listens (`tandem serve` waits
-    for that line, so the port may be 0)."""
-    task = asyncio.create_task(server.serve())
+    for that line, so the port may be 0). A worker prints its own line to its parent."""
+    task = asyncio.create_task(server.serve(sockets))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
         host, port = server.servers[0].sockets[0].getsockname()[:2]
-        print(f"READY gateway {host}:{port}", flush=True)
+        address = f"{host}:{port}"
+        print(ready_line(address) if ready_line else f"READY gateway {address}", flush=True)
     await task
 
 

@@ -23,6 +23,7 @@ from gateway.registry import InstanceRegistry
 from gateway.router import Router
 from gateway.routes import chat, completions, health, models, tokenize
 from gateway.routing import build_registry, build_router
+from gateway.shedding import Shedder, SheddingMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +55,16 @@ def build_state(
 
 def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> FastAPI:
     state = state or build_state(settings)
+    shedder = Shedder(settings, state.edge.metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await state.edge.start()
         await state.registry.start()  # routing: registry refresh, index feeds
         await state.router.start()
+        shedder.start()
         yield
+        shedder.close()
         await state.router.close()
         await state.registry.close()
         await state.edge.close()
@@ -86,6 +90,8 @@ def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> 
     state.edge.internal_documents["/openapi.json"] = lambda: openapi.schema_bytes(app)
     if isinstance(state.router, KVRouter):  # route decisions, local prefills, degraded mode
         state.edge.metrics.registry.register(RoutingCollector(state.router))
+    # Overload: 503 before a body is parsed (inside the edge: unknown paths stay 404s).
+    app.add_middleware(SheddingMiddleware, shedder=shedder)
     state.edge.install(app)  # allowlist, auth, CORS: inside the access log
     app.add_middleware(AccessLogMiddleware)
     return app

@@ -118,6 +118,12 @@ class GatewaySettings(BaseSettings):
     redis_timeout_s: float = Field(0.5, gt=0)
     # While degraded, how often to check whether Redis is back.
     redis_probe_interval_s: float = Field(1.0, gt=0)
+    # --- Load shedding (gateway/shedding.py): past a bound on the requests in flight in this
+    # process, a new POST gets 503 + Retry-After. The bound shrinks while the event loop's thread
+    # is busy (running, or waiting for a CPU) more than this share of the time (0: off) ...
+    shed_busy_fraction: float = Field(0.9, ge=0, le=1)
+    # ... and never exceeds this fixed cap (0: none).
+    max_inflight_requests: int = Field(0, ge=0)
 
     @field_validator("served_model_name", "decode", "prefill", "cors_origins", mode="before")
     @classmethod

@@ -6,17 +6,22 @@ instance and epoch, the set of block hashes it caches. Two stores serve one cont
 `EmbeddedIndex` (here; fed in-process from each instance's `WatchKVEvents` stream by
 gateway/kv_watch.py, for `tandem serve` without Redis).
 
-The gateway hashes prompts with the engine's own function (engine/block_hash.py), so a hash it
-looks up is byte-for-byte the hash the instance published.
+The gateway hashes prompts as the engine does (engine/block_hash.py), so a hash it looks up is
+byte-for-byte the hash the instance published; `lookup_hashes` computes the same chain in one
+pass over the prompt's bytes (tests/gateway/test_lookup_hashes.py holds the two equal).
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
+import sys
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from engine.block_hash import BlockHash, hash_block_tokens
+from engine.block_hash import ROOT_HASH, BlockHash
 from engine.block_pool import KVCacheEvent
 
 
@@ -33,14 +38,38 @@ class IndexTarget:
     block_size: int
 
 
+_NO_EXTRA = struct.pack("<I", 0)
+
+
 def lookup_hashes(
     prompt_token_ids: Sequence[int], block_size: int, cache_salt: str | None
 ) -> list[BlockHash]:
     """The prompt's block hashes that can be hits: full blocks, never the last token's (the
     engine always recomputes that one for its logits; see `KVCacheManager.get_computed_blocks`).
-    """
+
+    `engine.block_hash.hash_block_tokens`'s chain, sha256(parent || int64 LE tokens || len(extra)
+    || extra), with the tokens packed once for the whole prompt rather than per block (an
+    8k-token prompt: ~0.3 ms instead of ~1.5)."""
     num_blocks = (len(prompt_token_ids) - 1) // block_size
-    return hash_block_tokens(prompt_token_ids[: num_blocks * block_size], block_size, cache_salt)
+    if num_blocks <= 0:
+        return []
+    tokens = array("q", prompt_token_ids[: num_blocks * block_size])
+    if sys.byteorder != "little":
+        tokens.byteswap()
+    data = memoryview(tokens).cast("B")
+    # The salt goes into the first block only; the chain carries it on (engine/block_hash.py).
+    extra = b"salt:" + cache_salt.encode() if cache_salt else b""
+    tail = struct.pack("<I", len(extra)) + extra
+    num_block_bytes = 8 * block_size
+    hashes, parent, sha256 = [], ROOT_HASH, hashlib.sha256
+    for start in range(0, num_blocks * num_block_bytes, num_block_bytes):
+        h = sha256(parent)
+        h.update(data[start : start + num_block_bytes])
+        h.update(tail)
+        parent = h.digest()
+        hashes.append(parent)
+        tail = _NO_EXTRA
+    return hashes
 
 
 class BlockIndex(ABC):

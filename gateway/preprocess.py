@@ -125,6 +125,12 @@ def _max_token_bytes(tokenizer) -> int:
     return cached
 
 
+def utf8_len(text: str) -> int:
+    """`len(text.encode())` without the copy when the text is ASCII (CPython knows that of
+    every string: O(1)); a 7.5 MB prompt's encode holds the GIL ~1.5 ms."""
+    return len(text) if text.isascii() else len(text.encode())
+
+
 def _too_long(max_len: int, what: str) -> APIError:
     return bad_request(
         f"This model's maximum context length is {max_len} tokens. However, your request has "
@@ -141,7 +147,7 @@ def encode_bounded(info: ModelInfo, text: str, add_special_tokens: bool) -> list
     a 7.5 MB prompt is a 400 at once. Then, for fast tokenizers, the Rust encoding's length
     before its ids: converting millions of ids to a list holds the GIL (the event loop)."""
     max_len = info.max_model_len
-    num_bytes = len(text.encode("utf-8"))
+    num_bytes = utf8_len(text)
     min_tokens = num_bytes // (4 * _max_token_bytes(info.tokenizer))
     if min_tokens >= max_len:
         raise _too_long(max_len, f"at least {min_tokens} ({num_bytes} bytes of)")

@@ -33,6 +33,7 @@ import redis.asyncio as aioredis
 
 from gateway.auth import TenantLimits
 from gateway.quota import CONCURRENCY_RETRY_S, WINDOW_S, Decision, QuotaBackend
+from gateway.quota_resp import script_runner
 
 _NOW_MS = """
 local t = redis.call('TIME')
@@ -174,13 +175,15 @@ class RedisQuota(QuotaBackend):
     name = "redis"
 
     def __init__(self, client: aioredis.Redis, lease_s: float):
+        """`client`: where the scripts run (its address, timeouts and credentials; the calls
+        themselves go through `gateway.quota_resp.script_runner`)."""
         self.client = client
         self.lease_ms = int(lease_s * 1000)
         self.window_ms = int(WINDOW_S * 1000)
-        # Script objects: EVALSHA, reloading the script after a Redis restart (NOSCRIPT).
-        self._acquire = client.register_script(_ACQUIRE)
-        self._record = client.register_script(_RECORD)
-        self._renew = client.register_script(_RENEW)
+        self.scripts = script_runner(client)
+
+    async def close(self) -> None:
+        await self.scripts.close()
 
     async def acquire(
         self, quota_id: str, request_id: str, limits: TenantLimits, num_tokens: int
@@ -195,7 +198,7 @@ class RedisQuota(QuotaBackend):
             self.lease_ms,
             int(CONCURRENCY_RETRY_S * 1000),
         ]
-        result = await self._acquire(keys=list(_keys(quota_id)), args=args)
+        (result,) = await self.scripts.run([(_ACQUIRE, _keys(quota_id), args)])
         if int(result[0]) == 1:
             return Decision(True)
         reason = result[1].decode() if isinstance(result[1], bytes) else str(result[1])
@@ -216,18 +219,15 @@ class RedisQuota(QuotaBackend):
             return
         keys = [_keys(quota_id)[3] for quota_id, _ in slots]
         args = [self.lease_ms, self.window_ms, *(request_id for _, request_id in slots)]
-        await self._renew(keys=keys, args=args)
+        await self.scripts.run([(_RENEW, keys, args)])
 
-    async def apply(self, records: Sequence[Record]) -> None:
-        """Apply `records` in one round trip (a pipeline; each record is atomic on its own)."""
+    async def apply(self, records: Sequence[Record], within_s: float = 0.0) -> None:
+        """Apply `records` in one round trip (pipelined; each record is atomic on its own),
+        sent within `within_s` (they may wait that long to share a later call's round trip)."""
         if not records:
             return
-        pipe = self.client.pipeline(transaction=False)
+        calls = []
         for r in records:
             args = [r.op, r.request_id, r.num_tokens, int(r.has_slot), int(r.tombstone)]
-            await self._record(
-                keys=list(_keys(r.quota_id)),
-                args=[*args, self.window_ms, self.lease_ms],
-                client=pipe,
-            )
-        await pipe.execute()
+            calls.append((_RECORD, _keys(r.quota_id), [*args, self.window_ms, self.lease_ms]))
+        await self.scripts.run(calls, within_s)

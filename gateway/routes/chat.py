@@ -118,10 +118,12 @@ def _joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
 async def create_chat_completion(
     request: Request, gw: GatewayDep, principal: PrincipalDep
 ) -> Response:
-    # The body is parsed in the preprocessing pool, not by FastAPI on the event loop.
+    # The body is parsed by us (in the preprocessing pool unless small), not by FastAPI.
     settings, pre = gw.settings, gw.preprocessor
     raw = await request.body()
-    body = await pre.run(parse_body, ChatCompletionRequest, raw, settings.max_messages)
+    body = await pre.run(
+        parse_body, ChatCompletionRequest, raw, settings.max_messages, num_bytes=len(raw)
+    )
     check_model(gw.model, body.model)
     is_trusted = settings.trust_request_chat_template
     check_supported(body, frozenset({"chat_template"}) if is_trusted else frozenset())
@@ -147,7 +149,9 @@ async def create_chat_completion(
     templated = template_request(body, settings)
 
     async def prepare() -> tuple[list[int], list]:
-        prompt = await pre.run(tokenize_chat, gw.model, templated, chat_template)
+        # A request's own template is a program of unknown cost: always in the pool.
+        size = len(raw) if chat_template is None else None
+        prompt = await pre.run(tokenize_chat, gw.model, templated, chat_template, num_bytes=size)
         jobs = make_jobs(
             gw.model,
             body,

@@ -25,6 +25,7 @@ from gateway.preprocess import (
     make_jobs,
     resolve_cache_salt,
     tokenize_completion,
+    utf8_len,
 )
 from gateway.protocol import CompletionRequest
 from gateway.serving import Choice, ResponseBuilder, respond
@@ -128,10 +129,12 @@ def echo_texts(info: ModelInfo, req: CompletionRequest, prompts: list[list[int]]
 
 @router.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
 async def create_completion(request: Request, gw: GatewayDep, principal: PrincipalDep) -> Response:
-    # The body is parsed in the preprocessing pool, not by FastAPI on the event loop.
+    # The body is parsed by us (in the preprocessing pool unless small), not by FastAPI.
     settings, pre = gw.settings, gw.preprocessor
     raw = await request.body()
-    body = await pre.run(parse_body, CompletionRequest, raw, settings.max_messages)
+    body = await pre.run(
+        parse_body, CompletionRequest, raw, settings.max_messages, num_bytes=len(raw)
+    )
     check_model(gw.model, body.model)
     check_supported(body)
     prompts_in = body.prompts()
@@ -144,7 +147,7 @@ async def create_completion(request: Request, gw: GatewayDep, principal: Princip
     num_logprobs = body.num_logprobs()
 
     async def prepare() -> tuple[list[list[int]], list]:
-        prompts = await pre.run(tokenize_completion, gw.model, body)
+        prompts = await pre.run(tokenize_completion, gw.model, body, num_bytes=len(raw))
         jobs = make_jobs(
             gw.model,
             body,
@@ -157,7 +160,7 @@ async def create_completion(request: Request, gw: GatewayDep, principal: Princip
         return prompts, jobs
 
     # Token-id prompts are counted exactly (4 bytes per id makes bytes / 4 their length).
-    num_bytes = [len(p.encode()) if isinstance(p, str) else 4 * len(p) for p in prompts_in]
+    num_bytes = [utf8_len(p) if isinstance(p, str) else 4 * len(p) for p in prompts_in]
     estimate = estimate_num_tokens(gw.model, body, num_bytes, principal.limits)
     ticket, (prompts, jobs) = await reserve_estimate(
         gw.edge, principal, opts.request_id, estimate, prepare

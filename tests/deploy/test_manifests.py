@@ -166,4 +166,4 @@ def test_autoscalers_target_rendered_pools(variant):
             types = {t.get("metricType", "AverageValue") for t in r["spec"]["triggers"]}
             assert types == {"AverageValue"}, r["metadata"]["name"]
     assert len(targets) == len(set(targets))
-    assert set(targets) <= {"tandem-prefill", "tandem-decode"}
+    assert set(targets) <= {"tandem-prefill", "tandem-decode", "tandem-gateway"}

@@ -52,7 +52,8 @@ def _named_expressions() -> list[tuple[str, str]]:
     for so in yaml.safe_load_all(
         (DEPLOY / "components" / "keda" / "scaledobjects.yaml").read_text()
     ):
-        out += [(f"keda {t['name']}", t["metadata"]["query"]) for t in so["spec"]["triggers"]]
+        triggers = [t for t in so["spec"]["triggers"] if t["type"] == "prometheus"]
+        out += [(f"keda {t['name']}", t["metadata"]["query"]) for t in triggers]
     adapter = yaml.safe_load(
         (DEPLOY / "components" / "hpa" / "prometheus-adapter.yaml").read_text()
     )

@@ -1,0 +1,120 @@
+"""Where a gateway process spends its CPU: py-spy samples of it under load, sorted into stages.
+
+`start_profile(pid, duration_s)` runs `py-spy record --threads --format raw` on the process while
+the caller keeps the load going; `finish` returns each stage's share of the samples.
+`bench/gateway_overhead.py` multiplies the shares by the measured CPU per request to get
+milliseconds per request per stage.
+
+py-spy samples only threads that are running (their OS state), so samples are proportional to
+CPU time; work without Python frames shows under the innermost Python frame above it (the
+Rust tokenizer under `encode_bounded`, uvloop's own I/O under the loop's run call, gRPC's
+poller thread, named `_poll_wrapper`, as a whole). Waking a loop or a worker is CPU too: a
+sample in `select` or an idle pool worker is the thread running on its way in or out of a wait.
+
+A sample belongs to the stage of its innermost frame that names one (`STAGES`, first match from
+the leaf up), so a Redis reply parsed inside the quota call counts as `edge_quota_redis`, and
+`json.dumps` inside the response as `response`. Frames that only say "event loop" (asyncio,
+selectors) count only when nothing more specific is on the stack.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+# stage, then substrings of a frame "function (path:line)"; checked in this order for each frame.
+_TABLE = """
+access_log         gateway/access_log.py /logging/
+metrics            prometheus_client/ gateway/metrics.py
+edge_auth          gateway/allowlist.py gateway/auth.py gateway/edge.py
+edge_quota_redis   gateway/quota gateway/accounting.py /redis/
+validation         pydantic gateway/protocol.py gateway/offload.py gateway/json_scan
+template_tokenize  chat_template jinja2/ <template> light_tokenizer tokenizers tokenize_chat
+                   encode_bounded transformers/ gateway/chat_tools.py
+routing            gateway/router.py gateway/kv_router.py gateway/index.py block_hash
+                   gateway/registry.py gateway/kv_watch.py gateway/cost_model.py
+grpc               grpc/ grpc_ protos/ google/protobuf params_proto gateway/clients.py
+detokenize         engine/output_processor detokeniz engine/outputs gateway/dispatch.py
+response           gateway/serving.py gateway/chat_output starlette/responses /json/ orjson
+                   gateway/routes/
+preprocess_other   gateway/preprocess.py engine/sampling_params gateway/structured
+                   gateway/extra_params
+http               h11 httptools uvicorn/
+framework          fastapi/ starlette/ anyio/
+thread_handoff     concurrent/futures /threading.py /queue.py
+"""
+GENERIC = ("event_loop", ("/asyncio/", "/selectors.py", "/uvloop/", "<module>", "runpy"))
+
+
+def _parse_table(text: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    stages: dict[str, list[str]] = {}
+    last = ""
+    for line in text.strip().splitlines():
+        if not line.startswith(" "):
+            last, line = line.split(maxsplit=1)
+        stages.setdefault(last, []).extend(line.split())
+    return tuple((stage, tuple(needles)) for stage, needles in stages.items())
+
+
+STAGES = _parse_table(_TABLE)
+
+
+def stage_of(stack: list[str]) -> str:
+    """`stack`: frames root first (py-spy's order), each `function (path:line)` with the path
+    relative to its import root; paths are matched with a leading "/"."""
+    if stack and "_poll_wrapper" in stack[0]:  # the thread's name (--threads): gRPC's poller
+        return "grpc"
+    frames = [f.replace(" (", " (/", 1) for f in stack]
+    for frame in reversed(frames):
+        for stage, needles in STAGES:
+            if any(n in frame for n in needles):
+                return stage
+    if any(n in frame for frame in frames for n in GENERIC[1]):
+        return GENERIC[0]
+    return "other"
+
+
+def shares(raw: str) -> tuple[dict[str, float], int]:
+    """py-spy's raw (collapsed) output → ({stage: share of the samples}, number of samples)."""
+    counts: Counter[str] = Counter()
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            counts[stage_of(stack.split(";"))] += int(count)
+    total = sum(counts.values())
+    return {s: n / total for s, n in counts.most_common()}, total
+
+
+def py_spy() -> str | None:
+    found = Path(sys.executable).with_name("py-spy")
+    return str(found) if found.exists() else shutil.which("py-spy")
+
+
+def start_profile(pid: int, duration_s: float, rate_hz: int = 200) -> subprocess.Popen:
+    """Start sampling `pid` now, for `duration_s` (the caller keeps the load running meanwhile);
+    `finish(proc)` returns the shares once it is done."""
+    binary = py_spy()
+    assert binary, "py-spy not found (pip install py-spy)"
+    tmp = tempfile.mkdtemp(prefix="gateway_stages-")
+    out = Path(tmp) / "stacks.txt"
+    args = [binary, "record", "--pid", str(pid), "--duration", str(int(duration_s))]
+    args += ["--rate", str(rate_hz), "--threads", "--nonblocking", "--format", "raw"]
+    args += ["--output", str(out)]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc.output_path = out  # type: ignore[attr-defined]
+    return proc
+
+
+def finish(proc: subprocess.Popen) -> tuple[dict[str, float], int]:
+    _, err = proc.communicate(timeout=120)
+    out: Path = proc.output_path  # type: ignore[attr-defined]
+    if proc.returncode != 0:
+        raise RuntimeError(f"py-spy failed: {err.decode()[-500:]}")
+    try:
+        return shares(out.read_text())
+    finally:
+        shutil.rmtree(out.parent, ignore_errors=True)

@@ -1,0 +1,213 @@
+"""Load shedding (gateway/shedding.py): the adaptive limit's steps, and a real gateway at a tiny
+capacity bound: a burst past it is refused at once with a retryable 503 and Retry-After, while
+/health, /v1/models and the requests already admitted keep being served, and nothing hangs."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import socket
+import time
+
+import httpx
+import pydantic
+import pytest
+
+from gateway import shedding
+from gateway.__main__ import parse_args, settings_from_args
+from gateway.config import GatewaySettings
+from gateway.metrics import GatewayMetrics
+from gateway.shedding import MAX_LIMIT, MIN_LIMIT, AdmissionLimit, Shedder
+from tests.gateway.conftest import SERVED_NAME
+from tests.gateway.edge_util import edge_gateway
+
+BURST = 40
+_BOUNDS = ("--shed-busy-fraction", "--max-inflight-requests")
+PROMPT = {"model": SERVED_NAME, "prompt": "Hello", "max_tokens": 100, "ignore_eos": True}
+CHAT = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+
+def test_limit_drops_below_what_is_in_flight_when_overloaded():
+    limit = AdmissionLimit(limit=100)
+    limit.end_window(is_overloaded=True, num_inflight=50)
+    assert limit.limit == 40  # 0.8 x min(limit, in flight): admissions stop at once
+    limit.end_window(is_overloaded=True, num_inflight=200)
+    assert limit.limit == 32
+    for _ in range(50):
+        limit.end_window(is_overloaded=True, num_inflight=0)
+    assert limit.limit == MIN_LIMIT
+
+
+def test_limit_grows_while_not_overloaded():
+    limit = AdmissionLimit(limit=10)
+    limit.end_window(is_overloaded=False, num_inflight=3)
+    assert limit.limit == 12
+    # Streams admitted before a drop, served without overload now: the limit comes back above
+    # them at once, not 10% a window from the floor.
+    limit = AdmissionLimit(limit=MIN_LIMIT)
+    limit.end_window(is_overloaded=False, num_inflight=500)
+    assert limit.limit == 551
+    limit = AdmissionLimit(limit=MAX_LIMIT)
+    limit.end_window(is_overloaded=False, num_inflight=MAX_LIMIT)
+    assert limit.limit == MAX_LIMIT
+
+
+def _shedder(**overrides) -> Shedder:
+    settings = GatewaySettings(model="m", **overrides)
+    return Shedder(settings, GatewayMetrics("m"))
+
+
+def test_admission_counts_in_flight_and_names_the_bound():
+    s = _shedder(max_inflight_requests=2)
+    assert s.admit() is None and s.admit() is None
+    assert s.admit() == "max_inflight"
+    s.done()
+    assert s.admit() is None
+    s.adaptive.limit = 3
+    assert s.admit() == "max_inflight"  # the lower bound names itself
+    s.max_inflight = MAX_LIMIT
+    assert s.admit() is None
+    assert s.admit() == "adaptive"
+
+
+def test_shedding_off_has_no_adaptive_limit():
+    s = _shedder(shed_busy_fraction=0)
+    assert not s.is_adaptive and s.adaptive.limit == MAX_LIMIT
+
+
+def test_flags_and_environment(monkeypatch):
+    args = ["--model", "m", "--shed-busy-fraction", "0.5", "--max-inflight-requests", "64"]
+    s = settings_from_args(parse_args(args))
+    assert (s.shed_busy_fraction, s.max_inflight_requests) == (0.5, 64)
+    monkeypatch.setenv("TANDEM_GATEWAY_SHED_BUSY_FRACTION", "0.7")
+    assert settings_from_args(parse_args(["--model", "m"])).shed_busy_fraction == 0.7
+    monkeypatch.delenv("TANDEM_GATEWAY_SHED_BUSY_FRACTION")
+    defaults = GatewaySettings(model="m")
+    assert (defaults.shed_busy_fraction, defaults.max_inflight_requests) == (0.9, 0)
+    for flag, value in [("--shed-busy-fraction", "1.5"), *[(f, "-1") for f in _BOUNDS]]:
+        with pytest.raises(pydantic.ValidationError, match="than or equal to"):
+            settings_from_args(parse_args(["--model", "m", flag, value]))
+
+
+def test_busy_time_counts_waiting_for_a_cpu():
+    """schedstat's on-CPU and on-CPU + waiting times of this thread."""
+    if not shedding.SCHEDSTAT.exists():
+        pytest.skip("no /proc/thread-self/schedstat")
+    cpu_s, busy_s = shedding.loop_thread_times()
+    assert busy_s >= cpu_s > 0
+    assert cpu_s == pytest.approx(time.thread_time(), rel=0.05)
+
+
+def _scrape(state) -> str:
+    return httpx.get("http://{}:{}/metrics".format(*state.edge.metrics_address)).text
+
+
+def _wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def _hold_streams(url: str, n: int, stack: contextlib.ExitStack) -> list:
+    """n streamed completions, each past its first chunk: admitted and in flight until the
+    stack closes. Keep the returned line iterators: dropping one closes its connection."""
+    lines = []
+    for _ in range(n):
+        client = stack.enter_context(httpx.Client(base_url=url, timeout=30))
+        resp = stack.enter_context(
+            client.stream("POST", "/v1/completions", json={**PROMPT, "stream": True})
+        )
+        assert resp.status_code == 200
+        lines.append(resp.iter_lines())
+        assert next(lines[-1]).startswith("data: ")
+    return lines
+
+
+def _burst(url: str) -> list[tuple[httpx.Response, float]]:
+    """BURST chat requests at once, each on its own connection: (response, seconds)."""
+
+    def one(_: int) -> tuple[httpx.Response, float]:
+        start = time.monotonic()
+        resp = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
+        return resp, time.monotonic() - start
+
+    with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
+        return list(pool.map(one, range(BURST)))
+
+
+def _assert_refused(results: list[tuple[httpx.Response, float]]) -> None:
+    for resp, elapsed_s in results:
+        assert resp.status_code == 503, resp.text
+        assert resp.headers["retry-after"] == "1"
+        error = resp.json()["error"]
+        assert error["type"] == "ServiceUnavailableError" and error["code"] == 503
+        assert "overloaded" in error["message"]
+        assert elapsed_s < 5  # refused, not queued
+
+
+@pytest.fixture
+def slow_fake(fake):
+    fake.knobs.token_delay_s = 0.5  # a held stream stays in flight until it is closed
+    return fake
+
+
+def test_a_burst_past_the_cap_gets_retryable_503s_and_the_gateway_stays_responsive(
+    tiny_qwen3_path, model_info, fakes, slow_fake
+):
+    settings = dict(decode=[fakes[0][1]], max_inflight_requests=2, metrics_port=0)
+    with edge_gateway(tiny_qwen3_path, model_info, **settings) as (url, state):
+        with contextlib.ExitStack() as stack:
+            held = _hold_streams(url, 2, stack)
+            _assert_refused(_burst(url))
+            # Probes and GET routes are never shed; the admitted streams keep streaming.
+            start = time.monotonic()
+            assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+            assert httpx.get(f"{url}/v1/models", timeout=5).status_code == 200
+            assert time.monotonic() - start < 2
+            metrics = _scrape(state)
+            assert f'tandem:requests_shed_total{{reason="max_inflight"}} {BURST}.0' in metrics
+            assert "tandem:requests_in_flight 2.0" in metrics
+            for lines in held:  # the admitted streams were not disturbed
+                assert next(line for line in lines if line).startswith("data: ")
+        # The held streams are gone (client disconnects): their places come back.
+        _wait_for(lambda: "tandem:requests_in_flight 0.0" in _scrape(state))
+        slow_fake.knobs.token_delay_s = 0.0
+        assert httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
+
+
+def test_a_refusal_does_not_wait_for_the_body(tiny_qwen3_path, model_info, fakes, slow_fake):
+    """The 503 is sent before the body is read: a client that sends only its headers still
+    gets it at once."""
+    settings = dict(decode=[fakes[0][1]], max_inflight_requests=1)
+    with edge_gateway(tiny_qwen3_path, model_info, **settings) as (url, _):
+        with contextlib.ExitStack() as stack:
+            held = _hold_streams(url, 1, stack)
+            host, port = url.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port)), timeout=5) as sock:
+                head = (
+                    "POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+                )
+                sock.sendall(head.encode())
+                answer = sock.recv(4096).decode()
+            assert answer.startswith("HTTP/1.1 503") and "retry-after: 1" in answer.lower()
+            assert next(line for line in held[0] if line).startswith("data: ")
+
+
+def test_the_adaptive_limit_sheds_when_the_process_counts_as_overloaded(
+    tiny_qwen3_path, model_info, fakes, slow_fake, monkeypatch
+):
+    """Any busy time counts as overload here (`shed_busy_fraction` tiny, no CPU floor): the
+    limit falls to its floor, MIN_LIMIT, and the request past it is refused as `adaptive`."""
+    monkeypatch.setattr(shedding, "MIN_CPU_FRACTION", 0.0)
+    assert MIN_LIMIT == 4
+    settings = dict(decode=[fakes[0][1]], shed_busy_fraction=1e-9, metrics_port=0)
+    with edge_gateway(tiny_qwen3_path, model_info, **settings) as (url, state):
+        _wait_for(lambda: f"tandem:admission_limit {MIN_LIMIT}.0" in _scrape(state))
+        with contextlib.ExitStack() as stack:
+            held = _hold_streams(url, MIN_LIMIT, stack)
+            _assert_refused(_burst(url))
+            assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+            assert f'tandem:requests_shed_total{{reason="adaptive"}} {BURST}.0' in _scrape(state)
+            assert all(next(line for line in lines if line) for lines in held)
