@@ -79,7 +79,9 @@ def hf_and_tandem(model_path: str, base_url: str, served: str, task_dir: Path):
 
 @pytest.fixture(scope="module")
 def dep(tiny_qwen3_path):
-    d = deploy(str(tiny_qwen3_path), 1, 1, FLAGS)
+    # Every prompt prefilled on P (a busy machine could make the cost model prefill some on D):
+    # the test is about the remote path returning prompt logprobs.
+    d = deploy(str(tiny_qwen3_path), 1, 1, FLAGS, gateway_flags=["--prefill-policy", "remote"])
     yield d
     d.stop()
 
