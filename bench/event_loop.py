@@ -17,10 +17,11 @@ tests/gateway/test_event_loop.py is 1 s.
 Where the loop blocked (py-spy --gil, 2026-11-30): jiter building the 200,000 messages in one
 ~110 ms call in a pool thread, then the loop itself freeing them (~50 ms) when Starlette drops
 the 400's traceback, which held the parse frame. gateway/json_scan.py now reads such bodies
-value by value and stops at max_messages + 1. What remains under the mixed flood is contention
-(3 senders saturate both cores; the loop waits its turn for the GIL) plus small pieces on the
-loop: the pure-Python h11 parser receiving 7.5 MB bodies (~2-3 ms each) and the completions
-route's `len(prompt.encode())` (~1.5 ms per 7.5 MB prompt).
+value by value and stops at max_messages + 1. Since 2026-12-01 the gateway runs on uvloop with
+uvicorn's C HTTP parser (httptools: the pure-Python h11 took ~2-3 ms per 7.5 MB body on the
+loop) and the completions route measures an ASCII prompt's UTF-8 length without encoding it
+(was ~1.5-6 ms per 7.5 MB prompt). What remains under the mixed flood is contention: 3 senders
+saturate both cores and the loop waits its turn for the GIL.
 
 Writes `bench/results/event_loop-<YYYY-MM-DD>.json` and prints a short table.
 Run from the repo root: `python -m bench.event_loop` (loopback only).

@@ -5,7 +5,8 @@ free loopback port). Registers 8 instances (4 prefill, 4 decode) the way service
 and block sets, each set padded with unrelated hashes to `--blocks-per-instance`), then times,
 on one event loop like the gateway's:
 
-- `hash`: the gateway's block hashes of the prompt (engine/block_hash.py), no I/O;
+- `hash`: the gateway's block hashes of the prompt (`gateway.index.lookup_hashes`, equal to
+  engine/block_hash.py's), no I/O;
 - `lookup`: hashes + the one-round-trip Lua lookup (`RedisBlockIndex.lookup`);
 - `plan`: the whole `KVRouter.plan` (registry snapshot, lookup, cost model, routes).
 
@@ -28,10 +29,11 @@ from dataclasses import asdict
 import redis
 import redis.asyncio
 
-from bench.common import print_table, write_result
+from bench.common import ensure_internal_token, print_table, write_result
 from engine.block_hash import hash_block_tokens
 from engine.block_pool import KVCacheEvent
 from engine.kv_events import EventBatch, LoadSnapshot
+from engine.record_auth import RecordAuth
 from engine.registry import (
     INSTANCES_KEY,
     InstanceRecord,
@@ -44,6 +46,7 @@ from gateway.kv_router import KVRouter
 from gateway.redis_index import RedisBlockIndex
 from gateway.redis_registry import RedisRegistry
 
+ensure_internal_token()  # records are sealed and block sets keyed with the internal secret
 BLOCK_SIZE = 16
 NUM_INSTANCES = 8
 LOAD = LoadSnapshot(1, 4, 1000, 0.3, 256, 8000.0, 0, 0)
@@ -75,6 +78,7 @@ def register(url: str, prompt: list[int], layout: str, blocks_per_instance: int)
     """Write 8 records and block sets as `engine/registry.py` publishers would."""
     client = redis.Redis.from_url(url)
     client.flushdb()
+    auth = RecordAuth.from_env()
     chain = hash_block_tokens(prompt, BLOCK_SIZE)
     rng = random.Random(0)
     for k in range(NUM_INSTANCES):
@@ -89,7 +93,7 @@ def register(url: str, prompt: list[int], layout: str, blocks_per_instance: int)
         pipe = client.pipeline(transaction=True)
         apply_batch(pipe, blocks_key(record.instance_id, record.epoch), batch, 3_600_000)
         pipe.sadd(INSTANCES_KEY, record.instance_id)
-        pipe.set(instance_key(record.instance_id), record.to_json(), px=3_600_000)
+        pipe.set(instance_key(record.instance_id), record.seal(auth), px=3_600_000)
         pipe.execute()
 
 

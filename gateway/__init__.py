@@ -13,8 +13,8 @@ Module map:
   auth         API keys (env / key file) → Principal (tenant, trust group, limits); sha256 only
   quota        quota contract (sliding-window log, slots) + the in-memory backend
   quota_redis  the same semantics in Redis, one Lua script per step
-  quota_resp   runs those scripts: one lean pipelined Redis connection (redis-py if it cannot)
   quota_service  reserve / release per request; Redis ↔ memory failover (degraded)
+  redis_scripts  Lua scripts over one lean pipelined Redis connection (quotas, block index)
   accounting   per request: reserve, settle with actual usage, vLLM metrics, on every exit
   metrics      Prometheus registry (vLLM names + tandem:*) on an internal port
   openapi      the OpenAPI schema with every route's real responses (on the metrics port)

@@ -49,7 +49,7 @@ def lookup_hashes(
 
     `engine.block_hash.hash_block_tokens`'s chain, sha256(parent || int64 LE tokens || len(extra)
     || extra), with the tokens packed once for the whole prompt rather than per block (an
-    8k-token prompt: ~0.3 ms instead of ~1.5)."""
+    8k-token prompt: 0.41 ms instead of 0.58 on the 2-core CI machine)."""
     num_blocks = (len(prompt_token_ids) - 1) // block_size
     if num_blocks <= 0:
         return []

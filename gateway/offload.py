@@ -19,7 +19,7 @@ finite.
 Small requests skip the pool: a body of at most `INLINE_MAX_BYTES` is parsed, templated (with the
 model's own template) and tokenized on the event loop. That work is ~0.1 ms, bounded by the
 body's size, while each hand-off to a worker and back costs more than the work itself (a worker
-and then the loop woken, the GIL passed between them; bench/gateway_overhead.py measured ~0.3 ms
+and then the loop woken, the GIL passed between them; bench/gateway_overhead.py measured ~0.5 ms
 of CPU per request for the two hops).
 """
 

@@ -33,7 +33,7 @@ import redis.asyncio as aioredis
 
 from gateway.auth import TenantLimits
 from gateway.quota import CONCURRENCY_RETRY_S, WINDOW_S, Decision, QuotaBackend
-from gateway.quota_resp import script_runner
+from gateway.redis_scripts import script_runner
 
 _NOW_MS = """
 local t = redis.call('TIME')
@@ -176,7 +176,7 @@ class RedisQuota(QuotaBackend):
 
     def __init__(self, client: aioredis.Redis, lease_s: float):
         """`client`: where the scripts run (its address, timeouts and credentials; the calls
-        themselves go through `gateway.quota_resp.script_runner`)."""
+        themselves go through `gateway.redis_scripts.script_runner`)."""
         self.client = client
         self.lease_ms = int(lease_s * 1000)
         self.window_ms = int(WINDOW_S * 1000)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from engine.record_auth import RecordAuth
 from engine.registry import blocks_key
 from gateway.index import BlockIndex, IndexTarget, IndexUnavailable, lookup_hashes
+from gateway.redis_scripts import script_runner
 
 # KEYS: one block set per instance. ARGV[1]: the prompt's block hashes in chain order,
 # concatenated (one argument instead of hundreds: cheaper to encode and to pass); ARGV[2]: the
@@ -69,11 +70,10 @@ class RedisBlockIndex(BlockIndex):
         import redis
 
         self._errors = (redis.RedisError, OSError)
-        self._no_script = redis.exceptions.NoScriptError
         self.client = client
+        self.scripts = script_runner(client)  # its address and timeouts; EVALSHA, reloading
         self.auth = RecordAuth.from_env()  # sets hold keyed digests, not raw hashes
         self.retry_s = retry_s
-        self._sha: str | None = None
         self._down_until = 0.0
         self.num_errors = 0
 
@@ -82,6 +82,7 @@ class RedisBlockIndex(BlockIndex):
         return time.monotonic() >= self._down_until
 
     async def close(self) -> None:
+        await self.scripts.close()
         await self.client.aclose()
 
     async def lookup(
@@ -115,17 +116,7 @@ class RedisBlockIndex(BlockIndex):
         return counts
 
     async def _run(self, calls) -> list[list[int]]:
-        """One round trip; the script is loaded on first use and after a Redis restart."""
-        for attempt in range(2):
-            if self._sha is None:
-                self._sha = await self.client.script_load(LOOKUP_SCRIPT)
-            pipe = self.client.pipeline(transaction=False)
-            for _, keys, hashes in calls:
-                pipe.evalsha(self._sha, len(keys), *keys, b"".join(hashes), len(hashes[0]))
-            try:
-                return await pipe.execute()
-            except self._no_script:
-                if attempt:
-                    raise
-                self._sha = None
-        raise AssertionError("unreachable")
+        """One round trip (the script is loaded on first use and after a Redis restart)."""
+        return await self.scripts.run(
+            [(LOOKUP_SCRIPT, keys, [b"".join(hashes), len(hashes[0])]) for _, keys, hashes in calls]
+        )

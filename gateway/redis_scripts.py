@@ -1,19 +1,21 @@
-"""Running the quota's Lua scripts: a lean pipelined connection, or redis-py where it cannot go.
+"""Running the gateway's Lua scripts in Redis: a lean pipelined connection, or redis-py where
+it cannot go.
 
-Every request runs two quota scripts (acquire, then settle). Through redis-py each costs the
-gateway 75-140 us of CPU (connection pool and its locks, retry wrapper, observability hooks,
-and `SCRIPT EXISTS` before every pipeline holding a script): a tenth of a request's CPU for two
-tiny calls. `LeanScripts` sends EVALSHA on one connection, pipelined (each call writes at once
-and its reply is matched in order), for ~25 us a call, and a busy gateway's calls share round
+Every request runs two quota scripts (acquire, then settle; gateway/quota_redis.py) and, with a
+Redis block index, one lookup script (gateway/redis_index.py). Through redis-py each call costs
+the gateway 75-140 us of CPU (connection pool and its locks, retry wrapper, observability hooks,
+and `SCRIPT EXISTS` before every pipeline holding a script): a tenth of a request's CPU for tiny
+calls. `LeanScripts` sends EVALSHA on one connection, pipelined (each call writes at once and
+its reply is matched in order), for 25-30 us a call, and a busy gateway's calls share round
 trips. It speaks RESP2 over plain TCP with optional AUTH and SELECT; a client configured for
 anything else (TLS, unix sockets, credential providers) keeps redis-py (`RedisPyScripts`).
 
-Failure semantics are redis-py's, which `gateway.quota_service` relies on: a call that takes
-longer than `socket_timeout` raises `redis.exceptions.TimeoutError` and closes the connection
-(its other calls fail the same way: each may still run when a hung Redis resumes, which the
-scripts' idempotence and tombstones make harmless); a connection that breaks raises
-`ConnectionError`, and a call is retried once on a fresh connection (safe: every script is
-idempotent per request id); NOSCRIPT (a restarted Redis) loads the script and retries.
+Failure semantics are redis-py's, which the callers rely on: a call that takes longer than
+`socket_timeout` raises `redis.exceptions.TimeoutError` and closes the connection (its other
+calls fail the same way: each may still run when a hung Redis resumes, which the quota scripts'
+idempotence and tombstones make harmless); a connection that breaks raises `ConnectionError`,
+and a call is retried once on a fresh connection (safe: every script here is idempotent); an
+unreachable Redis fails at once; NOSCRIPT (a restarted Redis) loads the script and retries.
 """
 
 from __future__ import annotations

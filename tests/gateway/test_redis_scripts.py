@@ -1,4 +1,4 @@
-"""The quota scripts' lean Redis connection (gateway/quota_resp.py): RESP replies, script
+"""The quota scripts' lean Redis connection (gateway/redis_scripts.py): RESP replies, script
 loading, a restarted or hung Redis, credentials, and held calls sharing a round trip. The quota
 semantics through it are tests/gateway/test_quota*.py's."""
 
@@ -13,7 +13,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.quota_resp import LeanScripts, RedisPyScripts, _Incomplete, _parse, script_runner
+from gateway.redis_scripts import LeanScripts, RedisPyScripts, _Incomplete, _parse, script_runner
 from tests.redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
 
 ECHO = "return {tonumber(ARGV[1]) + 1, ARGV[2], KEYS[1]}"
