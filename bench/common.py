@@ -104,3 +104,15 @@ def ensure_internal_token() -> str:
     from engine.internal_auth import ENV_TOKEN
 
     return os.environ.setdefault(ENV_TOKEN, secrets.token_hex(32))
+
+
+def stop_processes(procs, timeout_s: float) -> None:
+    """SIGTERM every process, then wait up to `timeout_s` for each; kill (and reap) any still up."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

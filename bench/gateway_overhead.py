@@ -66,7 +66,12 @@ if __package__ in (None, ""):  # run as a script: make `bench`, `gateway`, `prot
 import grpc  # noqa: E402
 
 from bench import gateway_stages  # noqa: E402
-from bench.common import ensure_internal_token, print_table, write_result  # noqa: E402
+from bench.common import (  # noqa: E402
+    ensure_internal_token,
+    print_table,
+    stop_processes,
+    write_result,
+)
 from protos import common_pb2, decode_pb2, decode_pb2_grpc  # noqa: E402
 
 ensure_internal_token()
@@ -528,13 +533,7 @@ def main() -> None:
         bench = Bench(address, args, [redis.proc.pid, *(p.pid for p in procs)])
         results = measure_all(bench, gateways, args)
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs, 20)
         redis.kill()
         shutil.rmtree(workdir, ignore_errors=True)
     results["direct"] = {f"{rate:g}": r for rate, r in sorted(bench.direct.items())}

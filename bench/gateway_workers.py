@@ -45,7 +45,12 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `bench`, `gateway`, `protos` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import ensure_internal_token, print_table, write_result  # noqa: E402
+from bench.common import (  # noqa: E402
+    ensure_internal_token,
+    print_table,
+    stop_processes,
+    write_result,
+)
 from bench.gateway_overhead import (  # noqa: E402
     KEY,
     MODEL,
@@ -232,18 +237,10 @@ def main() -> None:
                 cap_proc, ports["cap"] = start_gateway(n, address, redis.url, workdir, cap_flags)
                 procs += [on_proc, cap_proc]
                 r["shedding"] = shedding(ports, rps, cap, args)
-            for proc in procs[1:]:  # this worker count's gateways
-                proc.terminate()
-                proc.wait(timeout=60)
+            stop_processes(procs[1:], 60)  # this worker count's gateways
             del procs[1:]
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs, 30)
         redis.kill()
         shutil.rmtree(workdir, ignore_errors=True)
     config = {

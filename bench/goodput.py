@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import io
 import json
@@ -125,7 +126,11 @@ def attainment(result: dict, ttft_slo_ms: float) -> float:
     return good / max(len(result["ttfts"]), 1)
 
 
-def run_point(model: Path, port: int, workload: str, rate: float, args, seed: int) -> dict:
+def run_point(
+    model: Path, port: int, workload: str, rate: float, args, seed: int, warm: bool
+) -> dict:
+    """One rate: new prompts (from `seed`); `warm`: first warm the server up (a workload's first
+    point)."""
     from tandem.benchmark.flags import build_parser
     from tandem.benchmark.serve import run_benchmark
 
@@ -133,7 +138,6 @@ def run_point(model: Path, port: int, workload: str, rate: float, args, seed: in
     num_prompts = max(int(rate * arrival_s), 16)
     rows = dataset_rows(workload, args.tokenizer, num_prompts, seed)
     dataset = write_dataset(rows, Path(args.tmp) / f"{workload}-{seed}.jsonl")
-    warm = seed % 100 == 0  # the first point of a workload on this server
     argv = [
         "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}", "--model", str(model),
         "--dataset-name", "custom", "--dataset-path", str(dataset), "--num-prompts",
@@ -173,7 +177,9 @@ def sweep(model: Path, port: int, workload: str, args, deadline: float) -> dict:
     base_seed = 100 * (1 + list(WORKLOADS).index(workload))
 
     def measure(rate: float) -> dict:
-        r = run_point(model, port, workload, rate, args, seed=base_seed + len(points))
+        r = run_point(
+            model, port, workload, rate, args, seed=base_seed + len(points), warm=not points
+        )
         p = summarize_point(rate, r, ttft_slo_ms)
         points.append(p)
         print(
@@ -215,11 +221,9 @@ def goodput(last_ok: dict | None, first_bad: dict | None) -> float:
     return last_ok["rate"] + f * (first_bad["rate"] - last_ok["rate"])
 
 
-def route_log_errors(path: Path) -> dict:
-    """The cost model's TTFT predictions against what the gateway measured."""
-    if not path.exists():
-        return {}
-    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+def route_log_errors(log_lines: list[str]) -> dict:
+    """The cost model's TTFT predictions (route log lines) against what the gateway measured."""
+    lines = [json.loads(x) for x in log_lines if x.strip()]
     errs = [
         abs(x["measured_ttft_s"] - x["predicted_ttft_s"]) / x["measured_ttft_s"]
         for x in lines
@@ -234,17 +238,10 @@ def route_log_errors(path: Path) -> dict:
         "local_prefill_share": local / len(lines),
         "ttft_rel_error_median": statistics.median(errs),
         "ttft_rel_error_p90": statistics.quantiles(errs, n=10, method="inclusive")[8],
-        "reasons": dict(sorted(_count(x["reason"] for x in lines).items())),
+        "reasons": dict(sorted(collections.Counter(x["reason"] for x in lines).items())),
         "link_bytes_per_s_last": last["link_bytes_per_s"],
         "remote_overhead_s_last": last["remote_overhead_s"],
     }
-
-
-def _count(items) -> dict:
-    out: dict = {}
-    for x in items:
-        out[x] = out.get(x, 0) + 1
-    return out
 
 
 # ---- driver ----------------------------------------------------------------------------------
@@ -274,9 +271,7 @@ def run_config(config: str, args) -> dict:
                 before = route_log.read_text().count("\n") if route_log.exists() else 0
                 results[w] = sweep(model, port, w, args, deadline)
                 lines = route_log.read_text().splitlines()[before:] if route_log.exists() else []
-                tmp_log = Path(tmp) / "w.jsonl"
-                tmp_log.write_text("\n".join(lines) + "\n")
-                results[w]["routing"] = route_log_errors(tmp_log)
+                results[w]["routing"] = route_log_errors(lines)
                 _save(out_dir, config, results)
         finally:
             stop_serve(proc)

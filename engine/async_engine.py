@@ -103,7 +103,10 @@ class AsyncEngine:
                     return
             carry = None  # an exception taken from the queue while coalescing
             while True:
-                item, carry = (carry, None) if carry is not None else (await q.get(), None)
+                if carry is not None:
+                    item, carry = carry, None
+                else:
+                    item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
                 # One message per wake-up, not per token, when the consumer fell behind the

@@ -237,7 +237,6 @@ class Calibration:
 
     def __init__(self, params: CostParams, ema: float = 0.2, min_bytes: int = 1 << 20):
         self.params, self.ema, self.min_bytes = params, ema, min_bytes
-        self.num_samples = 0
         self._measured: set[str] = set()  # terms measured at least once
 
     def observe_remote(self, ttft_s: float, timings) -> CostParams:
@@ -249,7 +248,6 @@ class Calibration:
             link = self._fold("link", link, timings.kv_transfer_bytes / max(exposed_s, 1e-5))
         if hop_s > 0:
             overhead = self._fold("hop", overhead, hop_s)
-        self.num_samples += 1
         self.params = replace(p, link_bytes_per_s=link, remote_overhead_s=overhead)
         return self.params
 

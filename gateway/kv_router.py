@@ -166,10 +166,8 @@ class KVRouter(Router):
     ):
         self.registry = registry
         self.index = index
-        self.params = params or CostParams()
-        self.calibration = Calibration(self.params)
+        self.calibration = Calibration(params or CostParams())
         self.route_log = route_log
-        self._pool_rate = self.params.default_prefill_tokens_per_s  # set by each `plan`
         self.health = HealthMarks(cooldown_s, clock)
         self.pending = pending or PendingWork()
         self.stats = RoutingStats()
@@ -184,6 +182,11 @@ class KVRouter(Router):
         if self.index is not None:
             await self.index.start()
 
+    @property
+    def params(self) -> CostParams:
+        """The cost model's parameters as calibrated so far."""
+        return self.calibration.params
+
     async def close(self) -> None:
         if self.index is not None:
             await self.index.close()
@@ -192,10 +195,10 @@ class KVRouter(Router):
 
     def observe(self, route: Route, ttft_s: float, timings, num_prompt_tokens: int) -> None:
         if route.prefills and not timings.local_prefill:
-            self.params = self.calibration.observe_remote(ttft_s, timings)
+            self.calibration.observe_remote(ttft_s, timings)
         elif not route.prefills and route.predicted_ttft_s > 0:
             compute_s = route.predicted_ttft_s - self.params.local_overhead_s
-            self.params = self.calibration.observe_local(ttft_s, compute_s)
+            self.calibration.observe_local(ttft_s, compute_s)
         if route.predicted_ttft_s > 0 and ttft_s > 0:
             self.stats.ttft_errors.append(abs(ttft_s - route.predicted_ttft_s) / ttft_s)
         if self.route_log is None:
@@ -257,13 +260,13 @@ class KVRouter(Router):
             num_tokens,
             self.params,
         )
-        self._pool_rate = pool_rate(prefill_candidates, self.params)
         self._record(decisions[0], num_tokens, is_known)
         entries = self._add_pending(decisions[0], num_tokens)
         _ATTEMPTS.set(_Attempts(decisions, num_tokens, entries=entries))
-        return [self._route(x, num_tokens) for x in decisions]
+        rate = pool_rate(prefill_candidates, self.params)
+        return [self._route(x, num_tokens, rate) for x in decisions]
 
-    def _route(self, x: Decision, num_tokens: int) -> Route:
+    def _route(self, x: Decision, num_tokens: int, rate: float) -> Route:
         """The decision as an attempt, with each prefill's predicted time: the decode derives
         how long to wait for that prefill from it."""
         d, params = x.decode, self.params
@@ -272,9 +275,7 @@ class KVRouter(Router):
             for p in x.prefills
         ]
         ttft_s = (
-            predicted[0]
-            if predicted
-            else ttft_local(d, d.num_hit_tokens, num_tokens, self._pool_rate, params)
+            predicted[0] if predicted else ttft_local(d, d.num_hit_tokens, num_tokens, rate, params)
         )
         return Route(
             d.instance, tuple(p.instance for p in x.prefills), tuple(predicted), ttft_s, x.reason
