@@ -59,14 +59,23 @@ WORKLOADS = {  # name: (TTFT SLO ms, start rate req/s)
     "chat": (1000.0, 8.0),
     "multi_turn": (1000.0, 8.0),
 }
-CONFIGS = {
-    "A": ["--num-prefill", "1", "--num-decode", "1", "--prefill-policy", "remote"],
-    "B": ["--num-prefill", "0", "--num-decode", "2"],
-    "C": ["--num-prefill", "0", "--num-decode", "2", "--decode-kv-role", "kv_both"],
+CONFIGS = {  # by the number of GPUs
+    2: {
+        "A": ["--num-prefill", "1", "--num-decode", "1", "--prefill-policy", "remote"],
+        "B": ["--num-prefill", "0", "--num-decode", "2"],
+        "C": ["--num-prefill", "0", "--num-decode", "2", "--decode-kv-role", "kv_both"],
+    },
+    # Where only one GPU is lent: P and D share it (each half the memory), against one
+    # colocated replica; C lets the cost model prefill on D whenever P/D does not pay.
+    1: {
+        "A": ["--num-prefill", "1", "--num-decode", "1", "--prefill-policy", "remote"],
+        "B": ["--num-prefill", "0", "--num-decode", "1"],
+        "C": ["--num-prefill", "1", "--num-decode", "1", "--prefill-policy", "auto"],
+    },
 }
 ENGINE_FLAGS = [
     "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "4096",
-    "--max-num-seqs", "256", "--max-num-batched-tokens", "8192", "--num-gpus", "2",
+    "--max-num-seqs", "256", "--max-num-batched-tokens", "8192",
 ]  # fmt: skip
 VOCAB = 150_000  # ordinary Qwen tokens (below the special ids)
 
@@ -258,11 +267,14 @@ def run_config(config: str, args) -> dict:
         route_log = out_dir / f"goodput-{config}-routes.jsonl"
         route_log.unlink(missing_ok=True)
         port = 8200
-        flags = [*ENGINE_FLAGS, *CONFIGS[config], "--route-log", str(route_log)]
+        flags = [
+            *ENGINE_FLAGS, "--num-gpus", str(args.gpus), *CONFIGS[args.gpus][config],
+            "--route-log", str(route_log),
+        ]  # fmt: skip
         t = time.monotonic()
         proc, log = start_serve(model, 0, port, extra=flags)
         print(f"{config}: serving after {time.monotonic() - t:.0f} s", flush=True)
-        results = {}
+        results: dict = {}
         try:
             for w in args.workloads.split(","):
                 if time.monotonic() > deadline - 30:
@@ -272,26 +284,31 @@ def run_config(config: str, args) -> dict:
                 results[w] = sweep(model, port, w, args, deadline)
                 lines = route_log.read_text().splitlines()[before:] if route_log.exists() else []
                 results[w]["routing"] = route_log_errors(lines)
-                _save(out_dir, config, results)
+                _save(out_dir, config, args.gpus, results)
         finally:
             stop_serve(proc)
             (out_dir / f"goodput-{config}-serve.log").write_text("".join(log[-400:]))
     return results
 
 
-def _save(out_dir: Path, config: str, results: dict) -> None:
-    payload = {"config": config, "serve_flags": CONFIGS[config], "workloads": results}
+def _save(out_dir: Path, config: str, gpus: int, results: dict) -> None:
+    flags = CONFIGS[gpus][config]
+    payload = {"config": config, "gpus": gpus, "serve_flags": flags, "workloads": results}
     (out_dir / f"goodput-{config}.json").write_text(json.dumps(payload, indent=2) + "\n")
 
 
 def summarize(dirs: list[Path], results_dir: Path) -> Path:
     from tandem.benchmark.plots import _figure
 
-    by_config = {}
+    by_config, gpus = {}, set()
     for d in dirs:
         for f in sorted(d.glob("goodput-[ABC].json")):
             data = json.loads(f.read_text())
             by_config[data["config"]] = data["workloads"]
+            gpus.add(data.get("gpus", 2))
+    if len(gpus) != 1:
+        raise SystemExit(f"the runs to merge used different GPU counts {sorted(gpus)}")
+    (num_gpus,) = gpus
     workloads = {}
     for w in WORKLOADS:
         g = {c: by_config[c][w]["goodput_rps"] for c in sorted(by_config) if w in by_config[c]}
@@ -310,15 +327,16 @@ def summarize(dirs: list[Path], results_dir: Path) -> Path:
         ax.set_ylabel("SLO attainment")
         ax.set_title(f"{w}: TTFT <= {WORKLOADS[w][0] / 1000:g} s, TPOT <= {SLO_TPOT_MS:g} ms")
         ax.legend()
-        fig.savefig(results_dir / f"goodput-{today()}-{w}.png", dpi=100)
+        fig.savefig(results_dir / f"goodput-{today()}-{num_gpus}gpu-{w}.png", dpi=100)
     config = {
         "model_shape": "qwen3-8b",
         "engine_flags": ENGINE_FLAGS,
-        "configs": CONFIGS,
+        "configs": CONFIGS[num_gpus],
         "slo": {"tpot_ms": SLO_TPOT_MS, "attainment": ATTAINMENT},
     }
-    summary = {"gpus": 2, "workloads": workloads}
-    path = write_result("goodput", config, summary, results_dir)
+    summary = {"gpus": num_gpus, "workloads": workloads}
+    name = "goodput" if num_gpus == 2 else f"goodput_{num_gpus}gpu"
+    path = write_result(name, config, summary, results_dir)
     path.write_text(json.dumps({**summary, **json.loads(path.read_text())}, indent=2) + "\n")
     rows = [
         (w, *(f"{workloads[w]['goodput_rps'].get(c, float('nan')):.2f}" for c in "ABC"))
@@ -331,6 +349,10 @@ def summarize(dirs: list[Path], results_dir: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="A,B,C")
+    ap.add_argument(
+        "--gpus", type=int, choices=sorted(CONFIGS), default=2,
+        help="2: the study as specified; 1: P and D share one GPU, against one replica",
+    )  # fmt: skip
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--out-dir", default=os.environ.get("OUT", str(RESULTS_DIR)))
     ap.add_argument(
