@@ -119,7 +119,13 @@ def main() -> None:
         default=0,
         help="the services' per-request prompt chunk (online serving; 0: the whole budget)",
     )
+    ap.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192,
+        help="the services' token budget per step (the issue's workload: 8192)",
+    )  # fmt: skip
     args = ap.parse_args()
+    i = ENGINE_FLAGS.index("--max-num-batched-tokens")
+    ENGINE_FLAGS[i + 1] = str(args.max_num_batched_tokens)
     if args.long_prefill_token_threshold:
         ENGINE_FLAGS.extend(
             ["--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
