@@ -17,7 +17,14 @@ queue all the same. The CPU floor keeps out the other case of waiting: a gateway
 do on a node crowded by engines (`tandem serve` on a small machine) waits for a CPU at every
 wake-up without any queue of its own (measured: busy 0.6-0.85, CPU 0.2-0.4, while 32 streams
 run through it). Without schedstat, CPU time stands for both.
-Both are measured over the last two windows. Overloaded: the limit drops to `DECREASE` x
+Busy is not enough: a loop can run 95% of the time and still start every callback within a
+millisecond or two (measured on the H200: 64 streams of a GPU-bound `tandem serve` kept the
+loop that busy, and shedding on busy alone refused 15-30% of a closed-loop c=64 benchmark that
+the GPU served without a queue). What hurts latency is a standing queue of ready work, seen as
+*lag*: how late the watcher's own timer fires. As CoDel does for packets, overload needs the
+smallest lag over the last `LAG_WINDOWS` windows above `LAG_TARGET_S`: a burst (a wave of
+arrivals tokenized on the loop) raises lag for a window or two, a standing queue for all.
+Busy and CPU are measured over the last two windows. Overloaded: the limit drops to `DECREASE` x
 min(limit, requests in flight), so nothing new is admitted until some of it is done; not
 overloaded: it grows to
 `INCREASE` x max(limit, requests in flight) (from the floor, 4, to 1,000 in under 3 s). Under
@@ -49,8 +56,10 @@ from gateway.metrics import GatewayMetrics
 WINDOW_S = 0.05
 # The calling thread's "on-CPU ns, waiting-for-a-CPU ns, time slices" (CONFIG_SCHED_INFO).
 SCHEDSTAT = Path("/proc/thread-self/schedstat")
-# Busy counts as overload only while the loop also ran this share of the time itself.
+# Busy counts as overload only while the loop also ran this share of the time itself,
 MIN_CPU_FRACTION = 0.5
+# and its timer fired later than this in each of the last LAG_WINDOWS windows (a standing queue).
+LAG_TARGET_S, LAG_WINDOWS = 0.01, 4
 DECREASE, INCREASE = 0.8, 1.1
 MIN_LIMIT, INITIAL_LIMIT, MAX_LIMIT = 4, 128, 1_000_000
 # OpenAI's own wording for a 503.
@@ -81,6 +90,7 @@ class Shedder:
         self.max_inflight = settings.max_inflight_requests or MAX_LIMIT
         self.num_inflight = 0
         self.busy_fraction = self.cpu_fraction = 0.0  # over the last two windows
+        self.lags_s = [0.0] * LAG_WINDOWS  # how late the watcher woke, the last windows
         self._task: asyncio.Task | None = None
         self.refusal = APIError(OVERLOADED, 503, retry_after_s=settings.retry_after_s).response()
         r = metrics.registry
@@ -109,6 +119,11 @@ class Shedder:
             "tandem:event_loop_cpu_fraction": (
                 "Share of the last 0.1 s the event loop's thread ran on a CPU.",
                 lambda: self.cpu_fraction,
+            ),
+            "tandem:event_loop_lag_seconds": (
+                f"Least delay of a {WINDOW_S} s timer on the event loop over the last "
+                f"{LAG_WINDOWS * WINDOW_S:g} s (a standing queue of ready work).",
+                lambda: min(self.lags_s),
             ),
         }
         for name, (documentation, read) in gauges.items():
@@ -146,10 +161,13 @@ class Shedder:
             await asyncio.sleep(WINDOW_S)
             times = [*times[1:], (loop.time(), *loop_thread_times())]
             (start, cpu_start_s, busy_start_s), (now, cpu_s, busy_s) = times[0], times[-1]
+            self.lags_s = [*self.lags_s[1:], now - times[-2][0] - WINDOW_S]
             self.cpu_fraction = (cpu_s - cpu_start_s) / (now - start)
             self.busy_fraction = (busy_s - busy_start_s) / (now - start)
             is_overloaded = (
-                self.busy_fraction > self.max_busy_fraction and self.cpu_fraction > MIN_CPU_FRACTION
+                self.busy_fraction > self.max_busy_fraction
+                and self.cpu_fraction > MIN_CPU_FRACTION
+                and min(self.lags_s) > LAG_TARGET_S
             )
             self.adaptive.end_window(is_overloaded, self.num_inflight)
 
