@@ -203,10 +203,14 @@ def sweep(model: Path, port: int, workload: str, args, deadline: float) -> dict:
         p = measure(rate)
         if p["attainment"] >= ATTAINMENT:
             last_ok = p
+            if first_bad:
+                break
             rate *= args.factor
         else:
             first_bad = p
-            break
+            if last_ok or len(points) >= 3:
+                break
+            rate /= args.factor**2  # the start rate was already too high: step down
     if last_ok and first_bad and time.monotonic() < deadline:  # one bisection
         mid = measure(math.sqrt(last_ok["rate"] * first_bad["rate"]))
         last_ok, first_bad = (mid, first_bad) if mid["attainment"] >= ATTAINMENT else (last_ok, mid)
