@@ -316,6 +316,8 @@ def summarize(dirs: list[Path], results_dir: Path) -> Path:
     workloads = {}
     for w in WORKLOADS:
         g = {c: by_config[c][w]["goodput_rps"] for c in sorted(by_config) if w in by_config[c]}
+        if not g:  # not run
+            continue
         entry = {"goodput_rps": g}
         if "B" in g and g["B"] > 0:
             entry["over_B"] = {c: round(v / g["B"], 3) for c, v in g.items()}

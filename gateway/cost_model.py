@@ -17,9 +17,11 @@ prompt length and hit_X the prompt tokens instance X already caches:
                         + work_weight * (L - hit_D) / rate
                         + local_overhead_s                                     the hop and D's step
     decode_cost(D)    = outstanding_D * decode_slot_s, +inf when D lacks free blocks
-    queue_X           = max(pending_X - budget_X, 0): queued prompt tokens beyond the next
-                        step's token budget (`max_num_batched_tokens`); work within it is
-                        batched with the new prompt, not run before it
+    queue_X           = pending_X: every prompt token queued at X (reported + routed since).
+                        Work that fits in the next step with the new prompt is batched with
+                        it, but a step takes as long as its tokens take: the first token comes
+                        after all of it (counting only what exceeded one step's budget
+                        predicted TTFTs 2.3 x too low on the H200, see bench/README.md)
 
 The work term is the delay a choice imposes on the requests queued behind it: TTFT alone is
 myopic (it would send a request to an idle P that must recompute a prefix, rather than to a P
@@ -79,12 +81,7 @@ class Candidate:
     prefill_tokens_per_s: float = 0.0  # 0.0: not measured
     kv_bytes_per_token: float = 0.0
     has_room: bool = True  # a decode with enough free blocks for the prompt (or unknown)
-    batch_token_budget: int = 0  # tokens per engine step; 0: unknown (queue runs serially)
     num_decoding: int = 0  # as a prefill: streams it also decodes (a kv_both instance)
-
-    @property
-    def num_queued_tokens(self) -> int:
-        return max(self.num_pending_tokens - self.batch_token_budget, 0)
 
 
 @dataclass(frozen=True)
@@ -119,7 +116,7 @@ def ttft_remote(
     p: Candidate, p_hit: int, d: Candidate, d_hit: int, num_tokens: int, params: CostParams
 ) -> float:
     rate = p.prefill_tokens_per_s or params.default_prefill_tokens_per_s
-    compute_s = (p.num_queued_tokens + num_tokens - p_hit) / rate
+    compute_s = (p.num_pending_tokens + num_tokens - p_hit) / rate
     transfer_s = (num_tokens - d_hit) * d.kv_bytes_per_token / params.link_bytes_per_s
     return compute_s + transfer_s + params.remote_overhead_s
 
@@ -140,7 +137,7 @@ def cost_remote(
 
 def cost_local(d: Candidate, d_hit: int, num_tokens: int, rate: float, params: CostParams) -> float:
     compute_s = (num_tokens - d_hit) / rate
-    queue_s = d.num_queued_tokens / rate
+    queue_s = d.num_pending_tokens / rate
     stall_s = d.num_outstanding * compute_s
     work_s = compute_s * params.work_weight
     return (
@@ -220,7 +217,7 @@ def ttft_local(d: Candidate, d_hit: int, num_tokens: int, rate: float, params: C
     """Predicted seconds to the first token when D prefills itself: its queue, then the prompt,
     then the hop and D's step around it."""
     rate = d.prefill_tokens_per_s or rate
-    return (d.num_queued_tokens + num_tokens - d_hit) / rate + params.local_overhead_s
+    return (d.num_pending_tokens + num_tokens - d_hit) / rate + params.local_overhead_s
 
 
 class Calibration:

@@ -328,7 +328,6 @@ class KVRouter(Router):
             num_pending_tokens=s.num_pending_prefill_tokens + num_tokens_sent,
             prefill_tokens_per_s=s.prefill_tokens_per_s,
             kv_bytes_per_token=s.kv_bytes_per_block / s.block_size if s.block_size else 0.0,
-            batch_token_budget=s.max_num_batched_tokens,
             has_room=not (is_decode and is_full),
             num_decoding=s.num_running if also_decodes else 0,
         )

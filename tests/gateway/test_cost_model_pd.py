@@ -17,7 +17,7 @@ RATE = 20_000.0  # prompt tokens/s, measured by the instances
 
 
 def cand(instance, hit=0, outstanding=0, pending=0, rate=RATE) -> Candidate:
-    return Candidate(instance, hit, outstanding, pending, rate, KV_BYTES_PER_TOKEN, True, 8192)
+    return Candidate(instance, hit, outstanding, pending, rate, KV_BYTES_PER_TOKEN, True)
 
 
 def decide(decodes, prefills, num_tokens, **params):
@@ -136,8 +136,8 @@ def test_a_measured_slow_link_turns_remote_into_local(tmp_path):
 
 
 def test_prefilling_on_a_kv_both_instance_counts_its_decoding_streams():
-    idle_both = Candidate(D2, 0, 0, 0, RATE, KV_BYTES_PER_TOKEN, True, 8192, num_decoding=0)
-    busy_both = Candidate(D2, 0, 40, 0, RATE, KV_BYTES_PER_TOKEN, True, 8192, num_decoding=40)
+    idle_both = Candidate(D2, 0, 0, 0, RATE, KV_BYTES_PER_TOKEN, True, num_decoding=0)
+    busy_both = Candidate(D2, 0, 40, 0, RATE, KV_BYTES_PER_TOKEN, True, num_decoding=40)
     link = dict(link_bytes_per_s=50e9)
     assert decide([cand(D, outstanding=8)], [idle_both], 3000, **link).prefills != ()
     assert decide([cand(D, outstanding=8)], [busy_both], 3000, **link).prefills == ()

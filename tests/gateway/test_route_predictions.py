@@ -18,7 +18,11 @@ def test_routes_carry_each_prefills_predicted_time_from_its_rate_and_queue():
     registry = StaticRegistry(["d1:1"], ["p-fast:1", "p-slow:1"])
     registry.set_status("d1:1", _status(num_free_blocks=1000, kv_cache_usage=0.1))
     registry.set_status("p-fast:1", _status(prefill_tokens_per_s=10_000.0))
-    busy = _status(prefill_tokens_per_s=1_000.0, num_pending_prefill_tokens=3_000)
+    # The 3,000 queued tokens fit in one of its 8,192-token steps with the prompt, yet the
+    # prompt's first token waits for all of them: a step takes as long as its tokens take.
+    busy = _status(
+        prefill_tokens_per_s=1_000.0, num_pending_prefill_tokens=3_000, max_num_batched_tokens=8192
+    )
     registry.set_status("p-slow:1", busy)
     params = CostParams(local_min_gain_s=10.0)  # keep it remote
     router = KVRouter(registry, EmbeddedIndex(), params)
