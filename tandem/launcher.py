@@ -176,6 +176,11 @@ GATEWAY_VALUES: dict[str, tuple[tuple[str, ...] | None, str]] = {  # (choices or
         "always on a prefill instance while one is up (default auto)",
     ),
     "--route-log": (None, "append one JSON line per request: route, predicted and measured TTFT"),
+    "--api-server-count": (
+        None,
+        "gateway processes behind the one port (vLLM's name; default 1); more than 1 needs "
+        "--redis-url (the processes share quotas, the registry and the block index there)",
+    ),
 }
 
 
@@ -227,6 +232,14 @@ def serve_main(argv: list[str] | None = None) -> int:
         redis_url = resolve_redis_url(args.redis_url)
     except ValueError as e:
         parser.error(str(e))
+    count = args.api_server_count
+    if count is not None and not (count.isdigit() and int(count) >= 1):
+        parser.error(f"--api-server-count {count}: a whole number of gateway processes, >= 1")
+    if count is not None and int(count) > 1 and not redis_url:
+        parser.error(
+            f"--api-server-count {count} needs --redis-url (or ${REDIS_URL_ENV}): the gateway "
+            "processes share API-key quotas, the instance registry and the block index there"
+        )
     # Before any model loads: a taken port is one line now, not a traceback in a minute.
     error = bind_error(args.host, args.port)
     roles = ["prefill"] * args.num_prefill + ["decode"] * args.num_decode

@@ -60,3 +60,28 @@ def test_auto_tool_choice_without_a_parser_is_refused_at_once(capsys):
     with pytest.raises(SystemExit):
         serve_main(["model", "--enable-auto-tool-choice"])
     assert "--enable-auto-tool-choice requires --tool-call-parser" in capsys.readouterr().err
+
+
+def test_api_server_count_reaches_the_gateway_as_workers():
+    flags = gateway_flags(build_parser().parse_args(["model", "--api-server-count", "3"]))
+    assert flags == ["--api-server-count", "3"]
+    assert gateway_parse_args(["--model", "m", *flags]).workers == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--api-server-count", "2"], "--api-server-count 2 needs --redis-url"),
+        (["--api-server-count", "0"], "--api-server-count 0: a whole number"),
+        (["--api-server-count", "two"], "--api-server-count two: a whole number"),
+    ],
+)
+def test_api_server_count_is_checked_before_anything_starts(argv, message, capsys, monkeypatch):
+    from engine.registry import REDIS_URL_ENV
+    from tandem.launcher import serve_main
+
+    monkeypatch.delenv(REDIS_URL_ENV, raising=False)
+    monkeypatch.delenv(f"{REDIS_URL_ENV}_FILE", raising=False)
+    with pytest.raises(SystemExit):
+        serve_main(["model", *argv])
+    assert message in capsys.readouterr().err
