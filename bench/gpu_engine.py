@@ -218,11 +218,15 @@ def bench_model(name: str, path: Path, ceil: dict, args) -> dict:
     return res
 
 
-def offline(path: Path, n: int, max_num_seqs: int, max_batched: int, n_params: int, ceil) -> dict:
+def offline(
+    path: Path, n: int, max_num_seqs: int, max_batched: int, n_params: int, ceil, **llm_kwargs
+) -> dict:
     """N prompts of 512 in / 128 out through `LLM.generate`; every engine step's execute time
-    is recorded by kind (decode-only batches take the CUDA graphs, mixed ones run eager)."""
+    is recorded by kind (decode-only batches take the CUDA graphs, mixed ones run eager).
+    `llm_kwargs`: more engine arguments (e.g. quantization="fp8")."""
     llm = LLM(
         str(path),
+        **llm_kwargs,
         load_format="dummy",
         dtype="bfloat16",
         skip_tokenizer_init=True,

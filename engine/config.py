@@ -8,7 +8,7 @@ objects and never re-parses arguments.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ import torch
 from transformers import PretrainedConfig
 
 from engine.hf_config import load_generation_config, load_hf_config
+from engine.quantization import check_quantization
 from engine.weights.hub import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class ModelConfig:
     generation_config: dict[str, Any] = field(default_factory=dict)
     tokenizer: str | None = None
     seed: int = 0
+    quantization: str | None = None  # "fp8": FP8 weights quantized at load (engine/quantization.py)
 
     def __post_init__(self) -> None:
         assert self.load_format in ("auto", "safetensors", "dummy"), self.load_format
@@ -187,6 +189,97 @@ class StructuredOutputsConfig:
             )
 
 
+SPECULATIVE_METHODS = ("ngram",)
+# vLLM's other methods: named so that a vLLM command line fails with a clear message.
+_VLLM_ONLY_SPEC_METHODS = (
+    "eagle",
+    "eagle3",
+    "medusa",
+    "mlp_speculator",
+    "draft_model",
+    "mtp",
+    "deepseek_mtp",
+    "suffix",
+    "ngram_gpu",
+)
+MAX_SPECULATIVE_TOKENS = 128  # vLLM's rejection sampler's MAX_SPEC_LEN
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `--speculative-config` for its n-gram (prompt lookup) method: propose up to
+    `num_speculative_tokens` tokens that followed the earliest earlier occurrence of the
+    longest suffix of [prompt_lookup_min, prompt_lookup_max] tokens; verify them in one
+    forward pass. Defaults as vLLM: both lookup sizes 5, or each the other when one is given."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        method = "ngram" if self.method == "[ngram]" else self.method  # vLLM's alias
+        object.__setattr__(self, "method", method)
+        if method in _VLLM_ONLY_SPEC_METHODS:
+            raise ValueError(
+                f"Speculative method {method!r} is not available in Tandem, which implements "
+                "the 'ngram' method only: set speculative_config's method to 'ngram'."
+            )
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"Unknown speculative method {method!r} in speculative_config; use 'ngram'."
+            )
+        k = self.num_speculative_tokens
+        if not _is_int(k) or not 0 < k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config's num_speculative_tokens must be an integer in "
+                f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}: set it to the number of draft "
+                "tokens to verify per step (e.g. 4)."
+            )
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(
+                    f"speculative_config's {name} must be an integer > 0, got {value!r}."
+                )
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        if lo > hi:
+            raise ValueError(
+                f"speculative_config's prompt_lookup_min={lo} must be <= "
+                f"prompt_lookup_max={hi}: lower prompt_lookup_min or raise prompt_lookup_max."
+            )
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:
+        """From vLLM's JSON object; an unknown key fails, naming the keys Tandem knows."""
+        if not isinstance(values, dict):
+            raise ValueError(
+                f"speculative_config must be a JSON object, got {type(values).__name__}: e.g. "
+                '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}.'
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown key(s) {unknown}; Tandem's n-gram speculation "
+                f"takes: {', '.join(sorted(known))}."
+            )
+        if "method" not in values:
+            raise ValueError(
+                "speculative_config needs a 'method' (Tandem implements 'ngram'), e.g. "
+                '{"method": "ngram", "num_speculative_tokens": 4}.'
+            )
+        return cls(**values)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -194,6 +287,15 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: str = "cpu"
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.speculative is not None and self.scheduler.async_scheduling:
+            raise ValueError(
+                "Speculative decoding does not run with async scheduling (a step's drafts "
+                "follow from the previous step's tokens, which async scheduling has not read "
+                "yet): drop --async-scheduling or the speculative config."
+            )
 
     @classmethod
     def from_args(
@@ -223,10 +325,15 @@ class EngineConfig:
         device: str = "auto",
         seed: int = 0,
         structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = None,
+        quantization: str | None = None,
+        speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
     ) -> EngineConfig:
         structured_outputs = structured_outputs_config  # validated before the model loads
         if not isinstance(structured_outputs, StructuredOutputsConfig):
             structured_outputs = StructuredOutputsConfig(**(structured_outputs or {}))
+        speculative = speculative_config
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            speculative = SpeculativeConfig.from_dict(speculative)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         path = resolve_model_path(model, revision=revision)
@@ -249,17 +356,20 @@ class EngineConfig:
             max_num_batched_tokens = (
                 max(8192, max_num_seqs) if enable_chunked_prefill else max(max_model_len, 8192)
             )
+        resolved_dtype = _resolve_dtype(dtype, hf_config, device)
+        check_quantization(quantization, resolved_dtype)
         model_config = ModelConfig(
             model=model,
             path=path,
             hf_config=hf_config,
-            dtype=_resolve_dtype(dtype, hf_config, device),
+            dtype=resolved_dtype,
             max_model_len=max_model_len,
             load_format=load_format,
             enforce_eager=enforce_eager,
             generation_config=gen_cfg,
             tokenizer=tokenizer,
             seed=seed,
+            quantization=quantization,
         )
         cache_config = CacheConfig(
             block_size=block_size,
@@ -279,4 +389,6 @@ class EngineConfig:
             long_prefill_token_threshold=long_prefill_token_threshold,
             async_scheduling=async_scheduling,
         )
-        return cls(model_config, cache_config, scheduler_config, device, structured_outputs)
+        return cls(
+            model_config, cache_config, scheduler_config, device, structured_outputs, speculative
+        )

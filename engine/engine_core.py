@@ -24,6 +24,13 @@ N+1 is launched first (it needs only step N's tokens, on the device), then step 
 (its tokens advance the matchers), and only then is N+1's sampling launched, behind the
 bitmask the matchers fill now. The host's grammar work overlaps N+1's forward, and every mask
 is the one the synchronous engine would build: exact.
+
+Speculative decoding (`config.speculative`, engine/spec_decode.py): the scheduler gives a
+decoding request drafts and the runner verifies them in the same forward pass; a step then
+yields several tokens for the request, to which the stops apply one by one, in order (nothing
+after a stop is reported). It needs the host to know each step's tokens before the next is
+scheduled, so async scheduling is off, and verify steps (several tokens per request) run
+eagerly, not in the one-token decode graphs; steps without drafts still replay the graphs.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from engine.outputs import EngineCoreOutput
 from engine.request import PLACEHOLDER, Request, RequestStatus
 from engine.sampler import skip_sampler_step
 from engine.scheduler import Scheduler, SchedulerFullError
+from engine.spec_decode import NgramProposer, SpecDecodeStats
 from engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -61,6 +69,7 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off
 
 
 class EngineCore:
@@ -73,7 +82,8 @@ class EngineCore:
         self.kv = KVCacheManager(
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        drafter = NgramProposer(config.speculative) if config.speculative is not None else None
+        self.scheduler = Scheduler(config.scheduler, self.kv, drafter)
         # Decode role: requests holding blocks for a remote prefill, not yet scheduled.
         self.reserved: dict[str, Request] = {}
         # Remote prefills waiting for free blocks, in arrival order (FIFO): a decode short of
@@ -268,36 +278,44 @@ class EngineCore:
         self._finish(r, status)
 
     def _execute(self, sched) -> list[EngineCoreOutput]:
-        """One synchronous step: run, sample, apply."""
+        """One synchronous step: run, sample, apply (a verify step's tokens one by one)."""
         result = self.runner.execute(sched, self.kv)
-        self.scheduler.update_after_step(sched)
+        num_accepted = {
+            s.request.request_id: len(result.sampled[s.request.request_id]) - 1
+            for s in sched.scheduled
+            if s.draft_token_ids
+        }
+        self.scheduler.update_after_step(sched, num_accepted)
         outputs = []
         for s in sched.scheduled:
             r = s.request
-            out = None
             if r.request_id in result.prompt_logprobs:
                 if not r.prompt_logprobs:
                     r.prompt_logprobs.append(None)
                 r.prompt_logprobs.extend(result.prompt_logprobs[r.request_id])
-            token = result.sampled.get(r.request_id)
-            if token is None:
+            tokens = result.sampled.get(r.request_id)
+            if tokens is None:
                 continue
-            r.append_output_token(token)
-            if r.structured is not None and not r.structured.advance(token):
-                status = self._fail(r, f"the grammar rejects sampled token {token}")
-                self.scheduler.finish_request(r, status)
-                outputs.append(EngineCoreOutput(r.request_id, finish_reason=status.value))
-                continue
-            out = EngineCoreOutput(r.request_id, [token], num_cached_tokens=r.num_cached_tokens)
-            if r.request_id in result.logprobs:
-                r.logprobs.append(result.logprobs[r.request_id])
-                out.new_logprobs.append(result.logprobs[r.request_id])
-            if r.num_output_tokens == 1 and r.wants_prompt_logprobs:
-                out.prompt_logprobs = list(r.prompt_logprobs)
-            status = self._check_stop(r, token, r.num_output_tokens)
-            if status is not None:
-                self.scheduler.finish_request(r, status)
-                out.finish_reason, out.stop_reason = status.value, r.stop_reason
+            logprobs = result.logprobs.get(r.request_id)
+            out = EngineCoreOutput(r.request_id, num_cached_tokens=r.num_cached_tokens)
+            for i, token in enumerate(tokens):
+                r.append_output_token(token)
+                if r.structured is not None and not r.structured.advance(token):
+                    status = self._fail(r, f"the grammar rejects sampled token {token}")
+                    self.scheduler.finish_request(r, status)
+                    out.finish_reason = status.value  # the rejected token is not reported
+                    break
+                out.new_token_ids.append(token)
+                if logprobs is not None:
+                    r.logprobs.append(logprobs[i])
+                    out.new_logprobs.append(logprobs[i])
+                if r.num_output_tokens == 1 and r.wants_prompt_logprobs:
+                    out.prompt_logprobs = list(r.prompt_logprobs)
+                status = self._check_stop(r, token, r.num_output_tokens)
+                if status is not None:  # the tokens after a stop are dropped
+                    self.scheduler.finish_request(r, status)
+                    out.finish_reason, out.stop_reason = status.value, r.stop_reason
+                    break
             outputs.append(out)
         return outputs
 
@@ -443,4 +461,5 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.kv.prefix_stats.queries,
             prefix_cache_hits=self.kv.prefix_stats.hits,
+            spec_decode=self.scheduler.spec_stats.snapshot() if self.config.speculative else None,
         )

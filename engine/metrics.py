@@ -91,6 +91,8 @@ class EngineCollector(Collector):
         yield self._counter(
             "vllm:prefix_cache_hits", "Prefix-cache hits (tokens).", s.prefix_cache_hits
         )
+        if s.spec_decode is not None:
+            yield from self._spec_decode(s.spec_decode)
         yield self._gauge(
             "tandem:engine_alive", "1 while the engine loop runs.", float(self.engine.is_alive)
         )
@@ -101,6 +103,23 @@ class EngineCollector(Collector):
         )
         for name, value in getattr(self.servicer, "metric_counters", lambda: {})().items():
             yield self._counter(f"tandem:{name}", f"{name.replace('_', ' ')}.", value)
+
+    def _spec_decode(self, stats):
+        """vLLM's speculative-decoding counters (exported only when speculation is on)."""
+        for name, doc, value in (
+            ("num_drafts", "Verify rows (a request with drafts in a step).", stats.num_drafts),
+            ("num_draft_tokens", "Draft tokens verified.", stats.num_draft_tokens),
+            ("num_accepted_tokens", "Draft tokens accepted.", stats.num_accepted_tokens),
+        ):
+            yield self._counter(f"vllm:spec_decode_{name}", doc, value)
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0: the first).",
+            labels=[*self.labels, "position"],
+        )
+        for pos, count in enumerate(stats.accepted_per_pos):
+            per_pos.add_metric([*self.labels.values(), str(pos)], count)
+        yield per_pos
 
 
 def start_metrics_server(

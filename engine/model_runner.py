@@ -35,6 +35,7 @@ from engine.sampler import (
     is_plain_greedy,
 )
 from engine.scheduler import SchedulerOutput
+from engine.spec_decode import num_accepted, sampling_batch
 from engine.weights import iter_safetensors_weights
 
 logger = logging.getLogger(__name__)
@@ -45,8 +46,9 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 * GiB  # vLLM uses 4 GiB; UCX registration pins i
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
-    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # request id -> its new tokens: one, or with drafts the accepted ones and the target's own
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # one per token
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
 
 
@@ -115,13 +117,20 @@ class ModelRunner:
             model.init_dummy_weights(mc.seed)
         else:
             model.load_weights(iter_safetensors_weights(mc.path))
+        if mc.quantization == "fp8":
+            from engine.quantization import quantize_linears_fp8
+
+            num = quantize_linears_fp8(model)
+            logger.info("FP8 weights: %d linear layers quantized (e4m3, per channel)", num)
         self.model = model.eval()
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        tensors = [*model.parameters(), *model.buffers()]
+        self.weights_bytes = sum(t.numel() * t.element_size() for t in tensors)
         logger.info(
-            "Model weights took %.4f GiB (%s, %s) in %.1f s",
+            "Model weights took %.4f GiB (%s, %s%s) in %.1f s",
             self.weights_bytes / GiB,
             mc.path,
             self.dtype,
+            ", fp8 linear layers" if mc.quantization else "",
             time.perf_counter() - start,
         )
 
@@ -195,7 +204,9 @@ class ModelRunner:
         )
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         hidden = self._forward(ids, torch.arange(num_tokens, device=self.device), meta)
-        self.model.compute_logits(hidden[-min(num_tokens, sc.max_num_seqs) :])
+        spec = self.config.speculative
+        num_logits_rows = sc.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+        self.model.compute_logits(hidden[-min(num_tokens, num_logits_rows) :])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device) - scratch_kv
         del self.kv_cache, hidden
@@ -259,7 +270,8 @@ class ModelRunner:
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
             block_ids = kv.get_block_ids(r.request_id)
             assert len(block_ids) * bs >= end, "runner got too few blocks"
-            input_ids.extend(r.token_ids(start, end))
+            input_ids.extend(r.token_ids(start, end - len(s.draft_token_ids)))
+            input_ids.extend(s.draft_token_ids)
             if s.num_new_tokens == 1:  # decode rows: no arrays for one token
                 pos_parts.append(start)
                 slot_parts.append(block_ids[start // bs] * bs + start % bs)
@@ -274,7 +286,10 @@ class ModelRunner:
 
     @property
     def async_scheduling(self) -> bool:
+        """Off under speculative decoding: drafts follow from the tokens of the step before."""
         flag = self.config.scheduler.async_scheduling
+        if self.config.speculative is not None:
+            return False
         return self.graphs is not None if flag is None else flag
 
     def can_launch_async(self, sched: SchedulerOutput) -> bool:
@@ -417,6 +432,11 @@ class ModelRunner:
         if not rows:
             return
         reqs = [sched.scheduled[i].request for i in rows]
+        drafts = [sched.scheduled[i].draft_token_ids for i in rows]
+        if any(drafts):
+            assert logits is None, "drafts are verified on the eager path"
+            self._verify(reqs, drafts, [qsl[i + 1] for i in rows], hidden, out)
+            return
         if logits is not None:
             logits = logits if len(rows) == logits.shape[0] else logits[rows]
         else:
@@ -433,9 +453,30 @@ class ModelRunner:
         )
         result = self.sampler(logits, batch)
         for r, token, lp in zip(reqs, result.token_ids, result.logprobs):
-            out.sampled[r.request_id] = token
+            out.sampled[r.request_id] = [token]
             if lp is not None:
-                out.logprobs[r.request_id] = lp
+                out.logprobs[r.request_id] = [lp]
+
+    def _verify(self, reqs, drafts, row_ends, hidden, out: ModelRunnerOutput) -> None:
+        """Speculative decoding (engine/spec_decode.py): sample the target's token at each of
+        a request's 1 + k last positions, keep the drafts that match and the target's token
+        after them; rewind a seeded generator past the draws of the rejected positions."""
+        index = [p for d, end in zip(drafts, row_ends) for p in range(end - 1 - len(d), end)]
+        logits = self.model.compute_logits(hidden[index])
+        # Grammar rows never have drafts (spec_decode.can_speculate): one row each here.
+        self._apply_grammars([r for r, d in zip(reqs, drafts) for _ in range(1 + len(d))], logits)
+        result = self.sampler(logits, sampling_batch(reqs, drafts))
+        row = 0
+        for r, d in zip(reqs, drafts):
+            targets = result.token_ids[row : row + 1 + len(d)]
+            n = num_accepted(d, targets) + 1  # tokens emitted
+            out.sampled[r.request_id] = targets[:n]
+            if r.sampling_params.logprobs is not None:
+                out.logprobs[r.request_id] = result.logprobs[row : row + n]
+            state_after = result.generator_states[row + n] if n <= len(d) else None
+            if state_after is not None:  # the draws of rows n.. were for rejected positions
+                r.generator.set_state(state_after)
+            row += 1 + len(d)
 
     def _apply_grammars(self, reqs: list[Request], logits: torch.Tensor) -> bool:
         """Structured outputs: mask the constrained rows in place (not those of finished

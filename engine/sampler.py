@@ -41,6 +41,9 @@ class SamplingBatch:
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]
     eos_token_ids: list[AbstractSet[int]] | None = None
+    # Speculative decoding: keep each seeded row's generator state from before its draw (a
+    # verify step rewinds a generator past the draws of rejected positions).
+    record_generator_states: bool = False
 
     def __post_init__(self) -> None:
         num_rows = len(self.params)
@@ -60,6 +63,9 @@ class SamplerOutput:
     # Per row: {token_id: logprob} with the sampled token first, then the top-`params.logprobs`
     # tokens; None when the request did not ask for logprobs.
     logprobs: list[dict[int, float] | None]
+    # With `record_generator_states`: per row, its generator's state before the row drew its
+    # noise (None for rows that drew nothing from a generator of their own).
+    generator_states: list[torch.Tensor | None] | None = None
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -78,7 +84,8 @@ class Sampler:
             # The common serving case: one argmax kernel, no fp32 copy of the logits (a grammar
             # mask, if any, is already in the logits).
             ids = logits.argmax(dim=-1).tolist()
-            return SamplerOutput(ids, [None] * batch.num_rows)
+            states = [None] * batch.num_rows if batch.record_generator_states else None
+            return SamplerOutput(ids, [None] * batch.num_rows, states)
         # Copy even when already fp32: min_tokens masks in place and the caller keeps its logits.
         logits = logits.to(torch.float32, copy=True)
         num_logprobs = [p.logprobs for p in batch.params]
@@ -91,16 +98,18 @@ class Sampler:
 
         is_greedy = [p.temperature < SAMPLING_EPS for p in batch.params]
         token_ids = logits.argmax(dim=-1)
+        states = [None] * batch.num_rows if batch.record_generator_states else None
         if not all(is_greedy):
             probs = torch.softmax(apply_sampling_filters(logits, batch.params), dim=-1)
-            sampled = exponential_race(probs, batch.generators, is_greedy)
+            sampled = exponential_race(probs, batch.generators, is_greedy, states)
             greedy_mask = torch.tensor(is_greedy, device=logits.device)
             token_ids = torch.where(greedy_mask, token_ids, sampled)
 
         token_id_list = token_ids.tolist()
         if raw_logprobs is None:
-            return SamplerOutput(token_id_list, [None] * batch.num_rows)
-        return SamplerOutput(token_id_list, _gather_logprobs(raw_logprobs, token_ids, num_logprobs))
+            return SamplerOutput(token_id_list, [None] * batch.num_rows, states)
+        logprobs = _gather_logprobs(raw_logprobs, token_ids, num_logprobs)
+        return SamplerOutput(token_id_list, logprobs, states)
 
 
 def is_argmax_only(p: SamplingParams, num_output_tokens: int) -> bool:
@@ -235,19 +244,26 @@ def apply_top_k_top_p(
 
 
 def exponential_race(
-    probs: torch.Tensor, generators: list[torch.Generator | None], skip_rows: list[bool]
+    probs: torch.Tensor,
+    generators: list[torch.Generator | None],
+    skip_rows: list[bool],
+    states: list[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Sample one token per row: `argmax(probs / E)` with E ~ Exponential(1) i.i.d.
 
     This is an exact categorical draw and needs no cumsum. Rows with a generator take all of
-    their noise from it (the same vocab-sized draw whatever the batch); rows in `skip_rows`
-    (greedy) consume nothing from their generator.
+    their noise from it (the same vocab-sized draw whatever the batch), in row order (rows
+    sharing a generator draw one after the other); rows in `skip_rows` (greedy) consume
+    nothing from their generator. `states`, if given, gets each drawing row's generator state
+    from before its draw.
     """
     noise = torch.empty_like(probs)
     if any(g is None and not skip for g, skip in zip(generators, skip_rows, strict=True)):
         noise.exponential_()
     for i, generator in enumerate(generators):
         if generator is not None and not skip_rows[i]:
+            if states is not None:
+                states[i] = generator.get_state()
             if generator.device == noise.device:
                 noise[i].exponential_(generator=generator)
             else:  # CPU generator, GPU logits: same stream as on CPU, then one copy

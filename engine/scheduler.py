@@ -5,6 +5,12 @@ next chunk), then waiting requests in policy order, each taking what is left of
 `max_num_batched_tokens` under `max_num_seqs`. When the block pool runs dry, the newest (or,
 with the priority policy, the least important) running request is preempted: its blocks are
 freed and it is recomputed later, from the prefix cache where its blocks survived.
+
+Speculative decoding (engine/spec_decode.py): a decoding request may take 1 + k tokens, its
+last sampled token and k drafts, within the budget and its max_tokens. Drafts never preempt
+anyone: when their slots do not fit, the request decodes one token. After the step the
+rejected drafts are rolled back (`update_after_step`): their KV slots stay the request's and
+are rewritten when those positions come again.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.request import Request, RequestStatus
+from engine.spec_decode import NgramProposer, SpecDecodeStats
 
 
 class SchedulerFullError(RuntimeError):
@@ -27,13 +34,17 @@ class SchedulerFullError(RuntimeError):
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # the drafts included
+    # Speculative decoding: the last len(draft_token_ids) of the new tokens are these guesses.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def reaches_end(self) -> bool:
         """After this step the request has KV for all its tokens and samples a new one."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens + len(
+            self.draft_token_ids
+        )
 
 
 @dataclass
@@ -89,9 +100,16 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        drafter: NgramProposer | None = None,
+    ):
         self.config = config
         self.kv = kv_cache_manager
+        self.drafter = drafter
+        self.spec_stats = SpecDecodeStats()
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -143,6 +161,8 @@ class Scheduler:
         if free_blocks and not request.hold_blocks:
             self.kv.free(request)
         self.requests.pop(request.request_id, None)
+        if self.drafter is not None:
+            self.drafter.forget(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
@@ -162,6 +182,12 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget, cap)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            drafts = self._drafts(request, min(budget, cap)) if num_new == 1 else []
+            if drafts:
+                out.scheduled.append(ScheduledRequest(request, 1 + len(drafts), drafts))
+                scheduled_ids.add(request.request_id)
+                budget -= 1 + len(drafts)
+                continue
             while not self.kv.allocate_slots(request, num_new):
                 victim = self._choose_victim(exclude=scheduled_ids)
                 self._preempt(victim)
@@ -200,6 +226,26 @@ class Scheduler:
             budget -= num_new
         return out
 
+    def _drafts(self, request: Request, max_num_new: int) -> list[int]:
+        """Draft tokens for a decoding request, their slots allocated; [] when there is no
+        drafter, no match, no room in the step or the request's max_tokens, or when their
+        blocks would leave fewer free blocks than running requests (drafts never cause a
+        preemption)."""
+        if self.drafter is None:
+            return []
+        max_drafts = min(max_num_new - 1, request.max_tokens - request.num_output_tokens - 1)
+        drafts = self.drafter.propose(request, max_drafts)
+        if not drafts:
+            return []
+        bs = self.kv.block_size
+        end = request.num_tokens + len(drafts)
+        num_extra_blocks = cdiv(end, bs) - len(self.kv.get_block_ids(request.request_id))
+        if self.kv.num_free_blocks - max(num_extra_blocks, 0) < len(self.running):
+            return []
+        if not self.kv.allocate_slots(request, 1 + len(drafts)):
+            return []
+        return drafts
+
     def _choose_victim(self, exclude: set[str]) -> Request:
         candidates = [r for r in self.running if r.request_id not in exclude] or self.running
         if self.config.policy == "priority":
@@ -215,12 +261,21 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.add(request, front=True)
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance computed counts and publish newly full blocks to the prefix cache."""
+    def update_after_step(
+        self, out: SchedulerOutput, num_accepted: dict[str, int] | None = None
+    ) -> None:
+        """Advance computed counts and publish newly full blocks to the prefix cache.
+        `num_accepted`: per request scheduled with drafts, how many the verify step accepted;
+        the KV of the others is rolled back (not counted as computed)."""
         self.num_steps += 1
         for s in out.scheduled:
             r = s.request
             num_prompt_left = max(r.num_prompt_tokens - r.num_computed_tokens, 0)
             self.num_prompt_tokens_computed += min(s.num_new_tokens, num_prompt_left)
             r.num_computed_tokens += s.num_new_tokens
+            if s.draft_token_ids:
+                assert num_accepted is not None, "a verify step comes with its accepted counts"
+                accepted = num_accepted[r.request_id]
+                self.spec_stats.observe(len(s.draft_token_ids), accepted)
+                r.num_computed_tokens -= len(s.draft_token_ids) - accepted
             self.kv.cache_blocks(r)

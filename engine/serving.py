@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -20,7 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig, StructuredOutputsConfig
+from engine.config import EngineConfig, SpeculativeConfig, StructuredOutputsConfig
 from engine.engine_core import EngineCore
 from engine.kv_events import EventBatch, KVEventSource, LoadSnapshot
 from engine.params_proto import (  # noqa: F401  (re-exported for the services)
@@ -29,6 +30,7 @@ from engine.params_proto import (  # noqa: F401  (re-exported for the services)
     sampling_params_from_proto,
     sampling_params_to_proto,
 )
+from engine.quantization import QUANTIZATION_METHODS
 from engine.registry import InstanceRecord, RedisPublisher, new_epoch
 from protos import common_pb2
 
@@ -118,6 +120,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--load-format", default="auto", help="auto, or dummy (random weights, for benchmarks)"
     )
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        choices=QUANTIZATION_METHODS,
+        default=None,
+        help="fp8: the decoder's linear layers in FP8 e4m3 (per-channel weight and per-token "
+        "activation scales), quantized from the 16-bit checkpoint at load (default: none)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs (default: graphs on CUDA)"
@@ -136,6 +146,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="structured outputs (JSON schema, regex, choice, grammar): auto (= xgrammar) or "
         "xgrammar; vLLM's guidance, outlines and lm-format-enforcer are not available",
     )
+    parser.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        help="speculative decoding, as vLLM's JSON: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2}\' (n-gram prompt lookup is the one method; turns async '
+        "scheduling off; default: off)",
+    )
 
 
 def _structured_outputs_backend(value: str) -> str:
@@ -145,6 +164,19 @@ def _structured_outputs_backend(value: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return value
+
+
+def _speculative_config(value: str) -> SpeculativeConfig:
+    """argparse check: bad JSON or a bad field fails at parse time, naming the field."""
+    try:
+        return SpeculativeConfig.from_dict(json.loads(value))
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(
+            f"--speculative-config is not valid JSON ({e}); pass an object such as "
+            '\'{"method": "ngram", "num_speculative_tokens": 4}\''
+        ) from None
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -170,6 +202,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         structured_outputs_config=StructuredOutputsConfig(
             backend=getattr(args, "structured_outputs_backend", "auto")
         ),
+        quantization=getattr(args, "quantization", None),
+        speculative_config=getattr(args, "speculative_config", None),
     )
 
 

@@ -22,12 +22,20 @@ os.environ.setdefault(ENV_TOKEN, secrets.token_hex(32))
 
 import pytest  # noqa: E402
 
-from tests.fixtures.tiny_models import make_tiny_checkpoint  # noqa: E402
+from tests.fixtures.tiny_models import (  # noqa: E402
+    make_repetitive_checkpoint,
+    make_tiny_checkpoint,
+)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_path(tmp_path_factory):
     return make_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_repetitive_path(tmp_path_factory):
+    return make_repetitive_checkpoint(tmp_path_factory.mktemp("repetitive"))
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,151 @@
+"""FP8 weights against bf16 on the H200, in one run (issue "Speed round 2", item 3).
+
+Speed (Qwen3-8B shape, dummy weights; the copy and matmul ceilings measured in the same run):
+- decode step time at batch 1, 8 and 32 (context 512), bf16 and `quantization="fp8"`, each
+  next to its floor (weight + KV bytes) / copy bandwidth; the target is batch-1 fp8 <= 0.6 x bf16;
+- offline throughput, N prompts of 512 in / 128 out (target fp8 >= 1.3 x bf16).
+Accuracy (SmolLM2-135M-Instruct, real weights, bf16 vs FP8 weights, both on the GPU): the bf16
+model writes greedy continuations of a few prompts (a few thousand positions in all); both
+models then score those texts (`prompt_logprobs=20`): top-1 agreement of the next-token
+prediction, and KL(bf16 || fp8) over the tokens in both top-20 lists (a lower bound of the full
+KL; the tail outside the top 20 holds little mass); then the greedy continuations are compared.
+
+    python -m bench.fp8_gpu --out-dir bench/results [--num-prompts 1000] [--skip-accuracy]
+Writes `fp8_gpu-<date>.json` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.common import print_table, write_result
+from bench.gpu_engine import ceilings, make_config_dir, offline, random_prompts, step_times
+from engine import LLM, SamplingParams
+
+MODES = {"bf16": None, "fp8": "fp8"}
+BATCHES = (1, 8, 32)
+ACCURACY_PROMPTS = [
+    "Explain how a refrigerator keeps food cold.",
+    "Write a short story about a lighthouse keeper.",
+    "List the steps to bake bread at home.",
+    "Why is the sky blue? Answer in detail.",
+    "Describe the water cycle for a school report.",
+    "Write a Python function that checks whether a number is prime, and explain it.",
+    "What should a traveller know before visiting Japan?",
+    "Summarize the causes of the French Revolution.",
+]
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def speed(path: Path, quantization: str | None, ceil: dict, num_prompts: int) -> dict:
+    llm = LLM(
+        str(path),
+        load_format="dummy",
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        max_model_len=1024,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.85,
+        quantization=quantization,
+    )
+    runner = llm.engine.runner
+    weight_bytes, kv_tok = runner.weights_bytes, llm.config.model.kv_bytes_per_token()
+    n_params = sum(p.numel() for p in runner.model.parameters()) + sum(
+        b.numel() for name, b in runner.model.named_buffers() if name.endswith("weight")
+    )
+    step_times(llm, random_prompts(2, 64, 99), 8)  # warm-up
+    res: dict = {"weight_GB": weight_bytes / 1e9}
+    for b in BATCHES:
+        _, step = step_times(llm, random_prompts(b, 512, b), 64)
+        floor = (weight_bytes + b * 544 * kv_tok) / (ceil["copy_GBps"] * 1e9)
+        res[f"b{b}"] = {"step_ms": step * 1e3, "floor_ms": floor * 1e3, "over_floor": step / floor}
+    del llm, runner
+    _free()
+    kwargs = {"quantization": quantization} if quantization else {}
+    res["offline"] = offline(path, num_prompts, 256, 8192, n_params, ceil, **kwargs)
+    _free()
+    return res
+
+
+def accuracy() -> dict:
+    from engine.weights import SMOLLM2_REPO_ID
+
+    llms = {
+        m: LLM(SMOLLM2_REPO_ID, dtype="bfloat16", max_model_len=2048, quantization=q)
+        for m, q in MODES.items()
+    }
+    base, fp8 = llms["bf16"], llms["fp8"]
+    greedy = SamplingParams(temperature=0, max_tokens=384, ignore_eos=True)
+    chats = [[{"role": "user", "content": p}] for p in ACCURACY_PROMPTS]
+    texts = [o.prompt_token_ids + o.outputs[0].token_ids for o in base.chat(chats, greedy)]
+    score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20)
+    seqs = [{"prompt_token_ids": t} for t in texts]
+    a, b = base.generate(seqs, score), fp8.generate(seqs, score)
+    agree = positions = 0
+    kls = []
+    for oa, ob in zip(a, b):
+        for pa, pb in zip(oa.prompt_logprobs[1:], ob.prompt_logprobs[1:]):
+            positions += 1
+            agree += max(pa, key=pa.get) == max(pb, key=pb.get)
+            both = [t for t in pa if t in pb]
+            kls.append(sum(math.exp(pa[t]) * (pa[t] - pb[t]) for t in both))
+    short = SamplingParams(temperature=0, max_tokens=64)
+    same = sum(
+        x.outputs[0].token_ids == y.outputs[0].token_ids
+        for x, y in zip(base.chat(chats, short), fp8.chat(chats, short))
+    )
+    del llms, base, fp8
+    _free()
+    return {
+        "model": "SmolLM2-135M-Instruct",
+        "positions": positions,
+        "top1_agreement": agree / positions,
+        "mean_kl_top20": sum(kls) / len(kls),
+        "greedy_64_identical": f"{same}/{len(chats)}",
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", default="bench/results")
+    ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--skip-accuracy", action="store_true")
+    args = ap.parse_args()
+    ceil = ceilings()
+    results: dict = {"ceilings": ceil}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_config_dir("qwen3-8b", Path(tmp))
+        for mode, q in MODES.items():
+            results[mode] = speed(path, q, ceil, args.num_prompts)
+    bf16, fp8 = results["bf16"], results["fp8"]
+    results["fp8_over_bf16"] = {
+        **{f"b{b}_step": fp8[f"b{b}"]["step_ms"] / bf16[f"b{b}"]["step_ms"] for b in BATCHES},
+        "offline_tok_s": fp8["offline"]["output_tok_s"] / bf16["offline"]["output_tok_s"],
+    }
+    if not args.skip_accuracy:
+        results["accuracy"] = accuracy()
+    config = {"model_shape": "qwen3-8b", "batches": BATCHES, "num_prompts": args.num_prompts}
+    write_result("fp8_gpu", config, results, Path(args.out_dir))
+    rows = [
+        (m, *(f"{results[m][f'b{b}']['step_ms']:.2f}" for b in BATCHES),
+         f"{results[m]['offline']['output_tok_s']:.0f}")
+        for m in MODES
+    ]  # fmt: skip
+    print_table(rows, ("weights", *(f"b{b} ms" for b in BATCHES), "offline tok/s"))
+    if "accuracy" in results:
+        print(results["accuracy"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""FP8 weights (`--quantization fp8`): a bf16/fp16 checkpoint quantized when it loads.
+
+As vLLM's online FP8 does, every linear layer of the decoder (qkv, o, gate_up, down) keeps its
+weight in float8 e4m3 and the embeddings, norms and LM head stay in the model's dtype. Scales:
+
+- weights per output channel: w[n, :] ~ w_fp8[n, :] * w_scale[n], w_scale = amax(|w[n, :]|) / 448
+  (one channel's outlier costs only that channel);
+- activations per token, computed at run time: x[m, :] ~ x_fp8[m, :] * x_scale[m] (dynamic, so
+  there is no calibration step, and one token with large activations does not flatten the
+  resolution of the others in its batch).
+
+y = (x_fp8 @ w_fp8.T) * x_scale * w_scale^T (+ bias). On CUDA that is one `torch._scaled_mm`
+with row-wise scales (cuBLASLt/CUTLASS FP8 GEMM, Hopper and later); elsewhere the same
+arithmetic runs dequantized in float32, which is the reference the GPU path is tested against.
+Half the weight bytes of bf16: batch-1 decode, which streams every weight per token, is bound by
+exactly those bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+MIN_SCALE = 1e-12  # an all-zero row or channel: any scale reproduces it
+QUANTIZATION_METHODS = ("fp8",)
+
+
+def check_quantization(method: str | None, dtype: torch.dtype) -> None:
+    """vLLM's wording for an unknown method; FP8 needs a 16-bit model dtype to quantize from."""
+    if method is None:
+        return
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"Unknown quantization method: {method}. Must be one of {list(QUANTIZATION_METHODS)}."
+        )
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"quantization={method!r} quantizes a float model; got dtype {dtype}.")
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3: (x_fp8 [R, C], scale [R, 1] float32) with x ~ x_fp8 * scale."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer with an e4m3 weight, per-output-channel weight scales and per-token
+    dynamic activation scales; output in the input's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        q, scale = quantize_rows(weight)
+        # _scaled_mm wants the weight column-major ([K, N] as a transposed [N, K]) and the
+        # scales as fp32 [1, N]: stored that way once, not per call.
+        self.register_buffer("weight", q)
+        self.register_buffer("weight_scale", scale.reshape(1, -1).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_q, x_scale = quantize_rows(x)
+        if x.is_cuda:  # row-wise scaled FP8 GEMMs write bf16
+            y = torch._scaled_mm(
+                x_q,
+                self.weight.t(),
+                scale_a=x_scale,
+                scale_b=self.weight_scale,
+                bias=None if self.bias is None else self.bias.to(torch.bfloat16),
+                out_dtype=torch.bfloat16,
+            )
+            return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
+        return fp8_linear_reference(x_q, x_scale, self.weight, self.weight_scale, self.bias).to(
+            x.dtype
+        )
+
+
+def fp8_linear_reference(x_q, x_scale, w_q, w_scale, bias) -> torch.Tensor:
+    """The arithmetic of `Fp8Linear`, dequantized in float32."""
+    y = (x_q.float() @ w_q.float().t()) * x_scale * w_scale
+    return y if bias is None else y + bias.float()
+
+
+@torch.inference_mode()
+def quantize_linears_fp8(model: nn.Module) -> int:
+    """Replace every `engine.models.layers.Linear` in `model` by an `Fp8Linear` (the decoder's
+    projections; the embeddings and LM head are not `Linear`s). Returns how many."""
+    from engine.models.layers import Linear
+
+    targets = [
+        (parent, name)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, Linear)
+    ]
+    for parent, name in targets:  # each 16-bit weight is freed as soon as its FP8 copy exists
+        child = getattr(parent, name)
+        setattr(parent, name, Fp8Linear(child.weight, child.bias))
+    return len(targets)
