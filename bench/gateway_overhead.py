@@ -72,7 +72,7 @@ from bench.common import (  # noqa: E402
     stop_processes,
     write_result,
 )
-from protos import common_pb2, decode_pb2, decode_pb2_grpc  # noqa: E402
+from protos import common_pb2, decode_mux, decode_pb2, decode_pb2_grpc  # noqa: E402
 
 ensure_internal_token()
 
@@ -85,7 +85,7 @@ PERCENTILES = (50, 90, 99)
 PROFILE_HZ = 200  # py-spy samples per second
 
 
-class FastDecode(decode_pb2_grpc.DecodeServicer):
+class FastDecode(decode_mux.DecodeServicer):
     async def Generate(self, request, context):
         num_tokens = min(request.params.max_tokens or len(TOKENS), len(TOKENS))
         for token in TOKENS[:num_tokens]:

@@ -38,6 +38,7 @@ template_tokenize  chat_template jinja2/ <template> light_tokenizer tokenizers t
 routing            gateway/router.py gateway/kv_router.py gateway/index.py block_hash
                    gateway/registry.py gateway/kv_watch.py gateway/cost_model.py
 grpc               grpc/ grpc_ protos/ google/protobuf params_proto gateway/clients.py
+                   gateway/mux.py
 detokenize         engine/output_processor detokeniz engine/outputs gateway/dispatch.py
 response           gateway/serving.py gateway/chat_output starlette/responses /json/ orjson
                    gateway/routes/

@@ -13,6 +13,9 @@ Lifecycle of one `Generate` stream:
    logprobs when asked, computed here or by P), then a `Final` with usage. A client that goes
    away aborts the request and frees its blocks.
 
+The gateway sends its requests over one `GenerateMux` stream per decode; each runs as the
+`Generate` above, in a task of its own (protos/decode_mux.py, which this servicer inherits).
+
 `--kv-role kv_both` (vLLM's name for an instance that both produces and consumes KV): the same
 server also answers `tandem.v1.Prefill` with the same engine, so other decodes may prefill here
 and this one prefills locally or elsewhere, as the gateway's cost model decides per request. A
@@ -45,13 +48,13 @@ from engine.serving import (
 from kv_transfer import Agent
 from prefill_svc.server import SERVICE_NAME as PREFILL_SERVICE_NAME
 from prefill_svc.server import PrefillServicer, add_transfer_timeout_arg
-from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from protos import common_pb2, decode_mux, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "tandem.v1.Decode"
 
 
-class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+class DecodeServicer(decode_mux.DecodeServicer):
     def __init__(
         self,
         engine: AsyncEngine,
@@ -179,7 +182,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return common_pb2.AbortResponse(found=found)
 
     def metric_counters(self) -> dict[str, float]:
-        rejected = {"num_rejected_kv_messages": self.agent.num_rejected_messages}
+        rejected = {
+            "num_rejected_kv_messages": self.agent.num_rejected_messages,
+            "num_rejected_mux_messages": self.num_rejected_mux_messages,  # protos/decode_mux.py
+        }
         served = {}
         if self.prefill is not None:  # kv_both: what it prefilled for other decodes
             served = {

@@ -190,6 +190,8 @@ def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         request_deserializer=handler.request_deserializer,
         response_serializer=handler.response_serializer,
     )
+    if handler.request_streaming and handler.response_streaming:  # Decode.GenerateMux
+        return grpc.stream_stream_rpc_method_handler(abort_stream, **kw)
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(abort_stream, **kw)
     return grpc.unary_unary_rpc_method_handler(abort, **kw)
@@ -230,10 +232,17 @@ class _AddTokenStream(_TokenMetadata, grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(self._details(details), request)
 
 
+class _AddTokenStreamStream(_TokenMetadata, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        return await continuation(self._details(details), request_iterator)
+
+
 def internal_channel(address: str, options=None) -> grpc.aio.Channel:
     """A channel to a Tandem service: mTLS when configured, the token on every call."""
     token = internal_token()
-    interceptors = [_AddTokenUnary(token), _AddTokenStream(token)] if token else None
+    interceptors = None
+    if token:
+        interceptors = [_AddTokenUnary(token), _AddTokenStream(token), _AddTokenStreamStream(token)]
     tls = internal_tls()
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)

@@ -189,7 +189,7 @@ async def run_service(
         if outcome == "died":
             await _die(server, engine, health.task, kv)
         elif outcome == "drain":
-            await _drain(server, health, kv, args.drain_timeout_s)
+            await _drain(server, servicer, health, kv, args.drain_timeout_s)
     finally:
         health.task.cancel()
         kv.stop()
@@ -234,15 +234,20 @@ async def _serve_until(server: grpc.aio.Server, engine: AsyncEngine, drain: asyn
     return "drain" if drain.is_set() else "terminated"
 
 
-async def _drain(server: grpc.aio.Server, health: Health, kv: KVPublishing, grace_s: float) -> None:
+async def _drain(
+    server: grpc.aio.Server, servicer: Any, health: Health, kv: KVPublishing, grace_s: float
+) -> None:
     """Scale-in / rolling restart: turn unready (readiness probes and routers stop sending),
     leave the Redis pool, refuse new RPCs (UNAVAILABLE: the gateway and decodes try another
-    instance), and let the ones in flight finish (D: its streams; P: its prefills and their
+    instance; a decode's GenerateMux streams refuse new requests the same way and end once
+    theirs have), and let the ones in flight finish (D: its streams; P: its prefills and their
     KV writes) for up to `grace_s`, then return so that the process exits 0."""
     started = time.monotonic()
     await health.drain()
     await asyncio.to_thread(kv.stop)
     kv.close_streams()
+    if hasattr(servicer, "close_mux_streams"):  # a decode (protos/decode_mux.py)
+        servicer.close_mux_streams()
     await server.stop(grace_s)
     logger.info("drained in %.1f s; exiting", time.monotonic() - started)
 

@@ -24,6 +24,7 @@ Module map:
   registry     InstanceRegistry (discovery) + StaticRegistry from settings
   router       Router contract + RoundRobinRouter with per-instance health
   clients      grpc.aio channels to decodes, probes, background aborts
+  mux          one GenerateMux stream per decode: requests' starts and cancels, replies demuxed
   dispatch     admission with fallback, ChildStream (detokenize + stop strings), merge
   serving      SSE framing, collecting choices, usage, client disconnects
   logprobs     chat / completions logprobs shapes

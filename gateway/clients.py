@@ -3,6 +3,7 @@
 grpc.aio channels bind to the loop that creates them, so they are made on first use inside a
 request, not at import or settings time. Short reconnect backoff: a decode that restarts should
 be reachable again within a couple of seconds, not after grpc's default two-minute backoff.
+`generate` sends a request on the channel's one `GenerateMux` stream (gateway/mux.py).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import logging
 import grpc
 
 from engine import internal_auth
+from gateway.mux import DecodeGenerate, GenerateCall
 from gateway.registry import Instance
 from gateway.router import Outcome
-from protos import common_pb2, decode_pb2_grpc
+from protos import common_pb2, decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,7 @@ class DecodeClients:
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, decode_pb2_grpc.DecodeStub] = {}
+        self._generates: dict[str, DecodeGenerate] = {}
         self._background: set[asyncio.Task] = set()
 
     def stub(self, instance: Instance) -> decode_pb2_grpc.DecodeStub:
@@ -42,6 +45,14 @@ class DecodeClients:
             self._channels[instance.address] = channel
             stub = self._stubs[instance.address] = decode_pb2_grpc.DecodeStub(channel)
         return stub
+
+    def generate(self, instance: Instance, request: decode_pb2.GenerateRequest) -> GenerateCall:
+        """Start `Generate` at `instance`: on its stream (unary where it has none)."""
+        generate = self._generates.get(instance.address)
+        if generate is None:
+            generate = DecodeGenerate(self.stub(instance), instance.address)
+            self._generates[instance.address] = generate
+        return generate(request)
 
     async def probe(self, instance: Instance, timeout_s: float) -> Outcome:
         """Ask for the instance's load; only "no answer" counts as unreachable."""
@@ -68,6 +79,9 @@ class DecodeClients:
     async def close(self) -> None:
         for task in list(self._background):
             task.cancel()
+        for generate in self._generates.values():
+            generate.close()
+        self._generates.clear()
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()

@@ -1,7 +1,8 @@
 """Sending children to decodes and turning their token streams into text deltas.
 
 Lifecycle of one child (one engine request):
-  plan routes → for each decode in order: `Generate` and wait for the first message
+  plan routes → for each decode in order: `Generate` (on the decode's GenerateMux stream,
+  gateway/mux.py, which reads like a unary call) and wait for the first message
     RESOURCE_EXHAUSTED (status or Error event) → report REFUSED, try the next decode
     UNAVAILABLE → report UNAVAILABLE (router cools it down), try the next decode
     first TokenChunk → admitted; from here on the child is a `ChildStream`; it carries the
@@ -36,6 +37,7 @@ from gateway.errors import (
     APIError,
     hidden_failure,
 )
+from gateway.mux import GenerateCall
 from gateway.preprocess import ChildJob
 from gateway.router import Outcome, Route, Router
 from protos import common_pb2, decode_pb2
@@ -80,7 +82,7 @@ class ChildStream:
         self,
         job: ChildJob,
         state: RequestState,
-        call: grpc.aio.UnaryStreamCall,
+        call: GenerateCall,
         first: decode_pb2.GenerateResponse,
         route: Route,
         clients: DecodeClients,
@@ -198,6 +200,8 @@ class Dispatcher:
     async def start(self, jobs: Sequence[ChildJob], opts: RequestOptions) -> list[ChildStream]:
         """Admit every child (concurrently), or cancel those admitted and raise the error."""
         processor = OutputProcessor(self.tokenizer)
+        if len(jobs) == 1:  # the common case, in this task (no task and wait for one child)
+            return [await self._admit(jobs[0], processor, opts)]
         tasks = [asyncio.create_task(self._admit(job, processor, opts)) for job in jobs]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -268,7 +272,7 @@ class Dispatcher:
                 )
             ],
         )
-        call = self.clients.stub(route.decode).Generate(request)
+        call = self.clients.generate(route.decode, request)
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as e:

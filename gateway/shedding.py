@@ -42,6 +42,7 @@ Each worker process (`--workers`) bounds itself.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,10 +157,18 @@ class Shedder:
         """Every WINDOW_S, on the loop's thread (whose schedstat it reads): adapt the limit to
         the last two windows (one alone may be a garbage collection or a burst)."""
         loop = asyncio.get_running_loop()
-        times = [(loop.time(), *loop_thread_times())] * 3  # (wall, cpu, busy) seconds
+        fd = _open_schedstat()
+        try:
+            await self._watch_windows(loop, fd)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    async def _watch_windows(self, loop: asyncio.AbstractEventLoop, fd: int | None) -> None:
+        times = [(loop.time(), *loop_thread_times(fd))] * 3  # (wall, cpu, busy) seconds
         while True:
             await asyncio.sleep(WINDOW_S)
-            times = [*times[1:], (loop.time(), *loop_thread_times())]
+            times = [*times[1:], (loop.time(), *loop_thread_times(fd))]
             (start, cpu_start_s, busy_start_s), (now, cpu_s, busy_s) = times[0], times[-1]
             self.lags_s = [*self.lags_s[1:], now - times[-2][0] - WINDOW_S]
             self.cpu_fraction = (cpu_s - cpu_start_s) / (now - start)
@@ -172,11 +181,21 @@ class Shedder:
             self.adaptive.end_window(is_overloaded, self.num_inflight)
 
 
-def loop_thread_times() -> tuple[float, float]:
-    """(seconds on a CPU, seconds on a CPU or waiting for one) of the calling thread; without
-    schedstat, its CPU time for both."""
+def _open_schedstat() -> int | None:
+    """The calling thread's schedstat, kept open: one pread per window instead of an open, a
+    read and a close (0.5 vs 8 us measured, and fewer cache misses on an idle loop's wake-up)."""
     try:
-        on_cpu_ns, waiting_ns, _ = SCHEDSTAT.read_text().split()
+        return os.open(SCHEDSTAT, os.O_RDONLY)
+    except OSError:
+        return None
+
+
+def loop_thread_times(fd: int | None = None) -> tuple[float, float]:
+    """(seconds on a CPU, seconds on a CPU or waiting for one) of the calling thread (or of the
+    thread whose schedstat `fd` is); without schedstat, the calling thread's CPU time for both."""
+    try:
+        raw = os.pread(fd, 128, 0) if fd is not None else SCHEDSTAT.read_bytes()
+        on_cpu_ns, waiting_ns, _ = raw.split()
     except (OSError, ValueError):
         cpu_s = time.thread_time()
         return cpu_s, cpu_s

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x64\x65\x63ode.proto\x12\ttandem.v1\x1a\x0c\x63ommon.proto\"h\n\rPrefillTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x14\n\x0cregistration\x18\x03 \x01(\x0c\x12\x1b\n\x13predicted_prefill_s\x18\x04 \x01(\x01\"\xd0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12)\n\x07prefill\x18\x07 \x03(\x0b\x32\x18.tandem.v1.PrefillTarget\"~\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"\x8c\x01\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x17\n\rstop_token_id\x18\x02 \x01(\x05H\x00\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.tandem.v1.TimingsB\r\n\x0bstop_reason\"\x89\x01\n\x10GenerateResponse\x12\'\n\x06tokens\x18\x01 \x01(\x0b\x32\x15.tandem.v1.TokenChunkH\x00\x12!\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x10.tandem.v1.FinalH\x00\x12!\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x10.tandem.v1.ErrorH\x00\x42\x06\n\x04kind2\x94\x02\n\x06\x44\x65\x63ode\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12:\n\x07GetLoad\x12\x16.tandem.v1.LoadRequest\x1a\x17.tandem.v1.LoadResponse\x12K\n\rWatchKVEvents\x12\x1f.tandem.v1.WatchKVEventsRequest\x1a\x17.tandem.v1.KVEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x64\x65\x63ode.proto\x12\ttandem.v1\x1a\x0c\x63ommon.proto\"h\n\rPrefillTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x14\n\x0cregistration\x18\x03 \x01(\x0c\x12\x1b\n\x13predicted_prefill_s\x18\x04 \x01(\x01\"\xd0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12)\n\x07prefill\x18\x07 \x03(\x0b\x32\x18.tandem.v1.PrefillTarget\"~\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"\x8c\x01\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x17\n\rstop_token_id\x18\x02 \x01(\x05H\x00\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.tandem.v1.TimingsB\r\n\x0bstop_reason\"\x89\x01\n\x10GenerateResponse\x12\'\n\x06tokens\x18\x01 \x01(\x0b\x32\x15.tandem.v1.TokenChunkH\x00\x12!\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x10.tandem.v1.FinalH\x00\x12!\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x10.tandem.v1.ErrorH\x00\x42\x06\n\x04kind\"u\n\nMuxRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12+\n\x05start\x18\x02 \x01(\x0b\x32\x1a.tandem.v1.GenerateRequestH\x00\x12&\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x14.tandem.v1.MuxCancelH\x00\x42\x06\n\x04kind\"\x0b\n\tMuxCancel\"*\n\tMuxStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\"s\n\x07MuxItem\x12\n\n\x02id\x18\x01 \x01(\x04\x12/\n\x08response\x18\x02 \x01(\x0b\x32\x1b.tandem.v1.GenerateResponseH\x00\x12#\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x14.tandem.v1.MuxStatusH\x00\x42\x06\n\x04kind\"0\n\x0bMuxResponse\x12!\n\x05items\x18\x01 \x03(\x0b\x32\x12.tandem.v1.MuxItem2\xd6\x02\n\x06\x44\x65\x63ode\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12@\n\x0bGenerateMux\x12\x15.tandem.v1.MuxRequest\x1a\x16.tandem.v1.MuxResponse(\x01\x30\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12:\n\x07GetLoad\x12\x16.tandem.v1.LoadRequest\x1a\x17.tandem.v1.LoadResponse\x12K\n\rWatchKVEvents\x12\x1f.tandem.v1.WatchKVEventsRequest\x1a\x17.tandem.v1.KVEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,6 +42,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FINAL']._serialized_end=627
   _globals['_GENERATERESPONSE']._serialized_start=630
   _globals['_GENERATERESPONSE']._serialized_end=767
-  _globals['_DECODE']._serialized_start=770
-  _globals['_DECODE']._serialized_end=1046
+  _globals['_MUXREQUEST']._serialized_start=769
+  _globals['_MUXREQUEST']._serialized_end=886
+  _globals['_MUXCANCEL']._serialized_start=888
+  _globals['_MUXCANCEL']._serialized_end=899
+  _globals['_MUXSTATUS']._serialized_start=901
+  _globals['_MUXSTATUS']._serialized_end=943
+  _globals['_MUXITEM']._serialized_start=945
+  _globals['_MUXITEM']._serialized_end=1060
+  _globals['_MUXRESPONSE']._serialized_start=1062
+  _globals['_MUXRESPONSE']._serialized_end=1110
+  _globals['_DECODE']._serialized_start=1113
+  _globals['_DECODE']._serialized_end=1455
 # @@protoc_insertion_point(module_scope)

@@ -68,3 +68,41 @@ class GenerateResponse(_message.Message):
     final: Final
     error: _common_pb2.Error
     def __init__(self, tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ...) -> None: ...
+
+class MuxRequest(_message.Message):
+    __slots__ = ("id", "start", "cancel")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    start: GenerateRequest
+    cancel: MuxCancel
+    def __init__(self, id: _Optional[int] = ..., start: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[_Union[MuxCancel, _Mapping]] = ...) -> None: ...
+
+class MuxCancel(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MuxStatus(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
+class MuxItem(_message.Message):
+    __slots__ = ("id", "response", "end")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    response: GenerateResponse
+    end: MuxStatus
+    def __init__(self, id: _Optional[int] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., end: _Optional[_Union[MuxStatus, _Mapping]] = ...) -> None: ...
+
+class MuxResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[MuxItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[MuxItem, _Mapping]]] = ...) -> None: ...

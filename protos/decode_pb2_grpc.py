@@ -40,6 +40,11 @@ class DecodeStub:
                 request_serializer=decode__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=decode__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMux = channel.stream_stream(
+                '/tandem.v1.Decode/GenerateMux',
+                request_serializer=decode__pb2.MuxRequest.SerializeToString,
+                response_deserializer=decode__pb2.MuxResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.Decode/Abort',
                 request_serializer=common__pb2.AbortRequest.SerializeToString,
@@ -62,6 +67,14 @@ class DecodeServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMux(self, request_iterator, context):
+        """Many Generate calls over one long-lived stream (protos/decode_mux.py): the gateway keeps
+        one per decode instead of one call per request.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -92,6 +105,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=decode__pb2.GenerateRequest.FromString,
                     response_serializer=decode__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMux': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMux,
+                    request_deserializer=decode__pb2.MuxRequest.FromString,
+                    response_serializer=decode__pb2.MuxResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -136,6 +154,33 @@ class Decode:
             '/tandem.v1.Decode/Generate',
             decode__pb2.GenerateRequest.SerializeToString,
             decode__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMux(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.Decode/GenerateMux',
+            decode__pb2.MuxRequest.SerializeToString,
+            decode__pb2.MuxResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,7 +22,10 @@ FLAGS = ["--max-model-len", "256", "--num-gpu-blocks-override", "128"]
 
 @pytest.fixture(scope="module")
 def dep(tiny_llama_path):
-    d = deploy(str(tiny_llama_path), 2, 2, FLAGS)
+    # The P/D path under load is what these tests are about: with the default policy the cost
+    # model rightly prefills some of a 32-request burst on the decodes (the prefills' queues
+    # count in full since 4a1ada7), which is tested in tests/gateway/test_cost_model_pd.py.
+    d = deploy(str(tiny_llama_path), 2, 2, FLAGS, gateway_flags=["--prefill-policy", "remote"])
     yield d
     d.stop()
 

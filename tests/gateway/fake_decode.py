@@ -21,7 +21,7 @@ import grpc
 
 from engine import LLM
 from engine.serving import logprobs_to_proto, sampling_params_from_proto
-from protos import common_pb2, decode_pb2, decode_pb2_grpc
+from protos import common_pb2, decode_mux, decode_pb2, decode_pb2_grpc
 
 # The services' own conversion: the fake must read requests exactly as a real decode does.
 params_from_proto = sampling_params_from_proto
@@ -45,7 +45,7 @@ class Record:
     finished: list[str] = field(default_factory=list)  # streams that sent Final
 
 
-class FakeDecode(decode_pb2_grpc.DecodeServicer):
+class FakeDecode(decode_mux.DecodeServicer):
     def __init__(self, llm: LLM, engine_lock: threading.Lock):
         self.llm = llm
         self.knobs = Knobs()

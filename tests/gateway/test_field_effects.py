@@ -21,7 +21,7 @@ from tokenizers import processors
 from engine.tokenizer import load_tokenizer
 from gateway.app import build_state, create_app
 from gateway.config import GatewaySettings
-from protos import common_pb2, decode_pb2, decode_pb2_grpc
+from protos import common_pb2, decode_mux, decode_pb2, decode_pb2_grpc
 from tests.fixtures.tiny_models import CHAT_TEMPLATE, ENDOFTEXT_ID, IM_START_ID
 from tests.gateway.conftest import MAX_MODEL_LEN, SERVED_NAME, serve
 
@@ -93,7 +93,7 @@ def test_chat_template_kwargs(custom_gateway, fake):
 # ---- skip_special_tokens: the gateway detokenizes, so a scripted special token shows it ----
 
 
-class ScriptedDecode(decode_pb2_grpc.DecodeServicer):
+class ScriptedDecode(decode_mux.DecodeServicer):
     """Streams `token_ids` one per chunk, then a Final("length")."""
 
     def __init__(self, token_ids: list[int]):

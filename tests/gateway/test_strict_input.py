@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from protos import common_pb2, decode_pb2, decode_pb2_grpc
+from protos import common_pb2, decode_mux, decode_pb2, decode_pb2_grpc
 from tests.gateway.conftest import SERVED_NAME
 from tests.gateway.edge_util import KEY_ALPHA, KEY_BETA, MESSAGES, edge_gateway, write_keys
 
@@ -265,7 +265,7 @@ INTERNALS = [
 ]
 
 
-class FailingDecode(decode_pb2_grpc.DecodeServicer):
+class FailingDecode(decode_mux.DecodeServicer):
     """A decode that fails the way real ones do: a gRPC status (before or after some tokens)
     or an Error event whose message is an internal exception's text."""
 

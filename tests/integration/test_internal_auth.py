@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import internal_auth
 from engine.sampling_params import SamplingParams
-from protos import common_pb2, decode_pb2_grpc
+from protos import common_pb2, decode_pb2, decode_pb2_grpc
 from tests.integration.services import ENGINE_FLAGS, collect, generate_request, start_services
 
 TOKEN = "internal-secret-for-tests-0123456789"
@@ -68,6 +68,34 @@ def test_calls_need_the_token(services):
 
     asyncio.run(wrong())
     mp.setenv(internal_auth.ENV_TOKEN, TOKEN)
+
+
+def test_generate_mux_needs_the_token(services):
+    """The stream the gateway sends every request on is refused like any call without the
+    token; with it, a request on the stream runs as a Generate call would."""
+    _, _, d_addr = services
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def start(rid: str) -> decode_pb2.MuxRequest:
+        return decode_pb2.MuxRequest(id=1, start=generate_request(rid, [1, 2, 3], params))
+
+    async def run():
+        async with grpc.aio.insecure_channel(d_addr) as channel:
+            call = decode_pb2_grpc.DecodeStub(channel).GenerateMux()
+            with pytest.raises(grpc.aio.AioRpcError) as e:  # the write may see it first
+                await call.write(start("m1"))
+                await call.read()
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        async with internal_auth.internal_channel(d_addr) as channel:
+            call = decode_pb2_grpc.DecodeStub(channel).GenerateMux()
+            await call.write(start("m2"))
+            await call.done_writing()
+            items = [item async for batch in call for item in batch.items]
+        tokens = [t for i in items if i.HasField("response") for t in i.response.tokens.token_ids]
+        assert len(tokens) == 4 and items[-1].end.code == grpc.StatusCode.OK.value[0]
+        assert await call.code() == grpc.StatusCode.OK
+
+    asyncio.run(run())
 
 
 def _env(**auth: str) -> dict[str, str]:

@@ -1,0 +1,235 @@
+"""One `GenerateMux` stream per decode, which all the requests to that decode ride.
+
+A unary-stream call costs the gateway ~0.8 ms of CPU per request (call set-up, its interceptor
+task, a completion per message); on one long-lived stream a request costs a write and its share
+of the batched reads (protos/decode_mux.py batches the server's side).
+
+Lifecycle of a stream (`MuxStream`), one per channel:
+  opened by the first request to its decode; grpc's task writes the starts and cancels queued
+    in `outbox`, and a reader task hands each MuxItem to its request's `MuxCall`;
+  breaks (the decode died, the connection dropped, it drained) → every request on it gets the
+    stream's status, as its own broken call would have; the next request opens a new stream;
+  UNIMPLEMENTED (a decode without GenerateMux) → its requests, and those to that decode for
+    `UNARY_FALLBACK_S`, are unary `Generate` calls.
+A `MuxCall` reads like the unary call it replaces: `read()` gives a GenerateResponse or EOF, or
+raises the `grpc.aio.AioRpcError` that call would have; `cancel()` (or cancelling a `read()`)
+sends a MuxCancel, which aborts the request at the decode as cancelling the call did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import grpc
+
+from protos import decode_pb2, decode_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+UNARY_FALLBACK_S = 60.0  # a decode without GenerateMux: unary calls, then ask again
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+_CANCEL = decode_pb2.MuxCancel()
+_WRITE_FAILED = "Internal error from Core"  # grpc.aio's status for a failed write
+
+
+class GenerateCall(Protocol):
+    """What the dispatcher needs of a `Generate` call, unary or on a stream."""
+
+    async def read(self) -> decode_pb2.GenerateResponse | Any: ...  # or grpc.aio.EOF
+
+    def cancel(self) -> bool: ...
+
+
+class _Waitable:
+    """A deque with one waiter: a wake-up without an asyncio.Queue per request."""
+
+    __slots__ = ("items", "_loop", "_waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.items: deque = deque()
+        self._loop = loop  # not asyncio.get_running_loop() per wait: it calls getpid (3.11)
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until an item is there (returns at once when one is)."""
+        while not self.items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+
+class MuxCall:
+    """One request on a stream."""
+
+    __slots__ = ("_stream", "id", "request", "_inbox", "_unary")
+
+    def __init__(self, stream: MuxStream, rid: int, request: decode_pb2.GenerateRequest):
+        self._stream, self.id, self.request = stream, rid, request
+        self._inbox = _Waitable(stream.loop)  # GenerateResponse, EOF, AioRpcError, _FALLBACK
+        self._unary: grpc.aio.UnaryStreamCall | None = None
+
+    async def read(self) -> decode_pb2.GenerateResponse | Any:
+        if self._unary is not None:
+            return await self._unary.read()
+        inbox = self._inbox
+        if not inbox.items:
+            try:
+                await inbox.wait()
+            except asyncio.CancelledError:  # as grpc's read(): a cancelled read cancels the call
+                self.cancel()
+                raise
+        entry = inbox.items.popleft()
+        if isinstance(entry, grpc.aio.AioRpcError):
+            raise entry
+        if entry is _FALLBACK:
+            self._unary = self._stream.stub.Generate(self.request)
+            return await self._unary.read()
+        return entry
+
+    def cancel(self) -> bool:
+        if self._unary is not None:
+            return self._unary.cancel()
+        return self._stream.cancel(self.id)
+
+
+_FALLBACK = object()  # the stream is UNIMPLEMENTED: this call goes unary
+
+
+class MuxStream:
+    def __init__(self, stub: decode_pb2_grpc.DecodeStub, address: str):
+        self.stub, self.address = stub, address
+        self.calls: dict[int, MuxCall] = {}  # in flight: started, not ended nor cancelled
+        self.error: grpc.aio.AioRpcError | None = None  # why the stream ended; None while open
+        self._next_id = 1
+        self.loop = asyncio.get_running_loop()
+        self._outbox = _Waitable(self.loop)
+        self._call = stub.GenerateMux(self._requests())
+        self._reader = asyncio.create_task(self._read())
+
+    @property
+    def is_open(self) -> bool:
+        return self.error is None
+
+    @property
+    def is_unimplemented(self) -> bool:
+        return self.error is not None and self.error.code() == grpc.StatusCode.UNIMPLEMENTED
+
+    def start(self, request: decode_pb2.GenerateRequest) -> MuxCall:
+        assert self.error is None, "start on a closed stream"
+        rid, self._next_id = self._next_id, self._next_id + 1
+        call = self.calls[rid] = MuxCall(self, rid, request)
+        self._outbox.put(decode_pb2.MuxRequest(id=rid, start=request))
+        return call
+
+    def cancel(self, rid: int) -> bool:
+        """Forget request `rid` and tell the decode to abort it; False if it had ended."""
+        if self.calls.pop(rid, None) is None:
+            return False
+        if self.error is None:
+            self._outbox.put(decode_pb2.MuxRequest(id=rid, cancel=_CANCEL))
+        return True
+
+    def close(self) -> None:
+        self._call.cancel()
+        self._reader.cancel()
+
+    async def _requests(self) -> AsyncIterator[decode_pb2.MuxRequest]:
+        """grpc's writer task takes the stream's messages from here, in order."""
+        metadata = await self._call.initial_metadata()
+        if ("tandem-mux", "1") not in list(metadata or ()):
+            # Refused at once (trailers only): a write now could fail and, in grpc.aio, replace
+            # the refusal's status (UNIMPLEMENTED, UNAUTHENTICATED) with INTERNAL.
+            return
+        outbox = self._outbox
+        while True:
+            await outbox.wait()
+            message = outbox.items.popleft()
+            if message is None:  # the stream ended
+                return
+            yield message
+
+    async def _read(self) -> None:
+        calls = self.calls
+        try:
+            while True:
+                batch = await self._call.read()
+                if batch is grpc.aio.EOF:  # the decode ended it (drained) without an error
+                    error = _error(grpc.StatusCode.UNAVAILABLE, "the GenerateMux stream ended")
+                    break
+                for item in batch.items:
+                    call = calls.get(item.id)
+                    if call is None:  # cancelled, or an id this stream never sent
+                        continue
+                    if item.HasField("response"):
+                        call._inbox.put(item.response)
+                        continue
+                    del calls[item.id]
+                    code = _STATUS.get(item.end.code, grpc.StatusCode.UNKNOWN)
+                    if code == grpc.StatusCode.OK:
+                        call._inbox.put(grpc.aio.EOF)
+                    else:
+                        call._inbox.put(_error(code, item.end.details, item.id))
+        except grpc.aio.AioRpcError as e:
+            error = e
+            if e.code() == grpc.StatusCode.INTERNAL and e.details() == _WRITE_FAILED:
+                # A write failed as the stream broke, and grpc.aio put its own INTERNAL in place
+                # of the stream's status: the connection went, as UNAVAILABLE says.
+                error = _error(grpc.StatusCode.UNAVAILABLE, f"broke: {e.debug_error_string()}")
+        except asyncio.CancelledError:  # closed
+            error = _error(grpc.StatusCode.CANCELLED, "the GenerateMux stream was closed")
+        except Exception as e:  # never leave the requests on it waiting
+            logger.exception("GenerateMux stream to %s failed", self.address)
+            error = _error(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        self.error = error
+        self._outbox.put(None)  # ends _requests
+        self._call.cancel()
+        if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+            logger.info("%s has no GenerateMux: unary Generate calls", self.address)
+            error = _FALLBACK
+        elif calls:
+            logger.info("GenerateMux stream to %s ended: %s", self.address, error.code().name)
+        for call in calls.values():
+            call._inbox.put(error)
+        calls.clear()
+
+
+def _error(code: grpc.StatusCode, details: str, rid: int | None = None) -> grpc.aio.AioRpcError:
+    where = "GenerateMux stream" if rid is None else f"GenerateMux request {rid}"
+    return grpc.aio.AioRpcError(code, None, None, details, where)
+
+
+class DecodeGenerate:
+    """`Generate` on one decode's channel: on its stream, or unary where it has none."""
+
+    def __init__(self, stub: decode_pb2_grpc.DecodeStub, address: str):
+        self.stub, self.address = stub, address
+        self.stream: MuxStream | None = None
+        self._unary_until_s = 0.0
+
+    def __call__(self, request: decode_pb2.GenerateRequest) -> GenerateCall:
+        stream = self.stream
+        if stream is None or not stream.is_open:
+            if stream is not None and stream.is_unimplemented:
+                self._unary_until_s = time.monotonic() + UNARY_FALLBACK_S
+                self.stream = None
+            if time.monotonic() < self._unary_until_s:
+                return self.stub.Generate(request)
+            stream = self.stream = MuxStream(self.stub, self.address)
+        return stream.start(request)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
