@@ -25,7 +25,14 @@ from pathlib import Path
 import torch
 
 from bench.common import print_table, write_result
-from bench.gpu_engine import ceilings, make_config_dir, offline, random_prompts, step_times
+from bench.gpu_engine import (
+    ceilings,
+    dummy_llm,
+    make_config_dir,
+    offline,
+    random_prompts,
+    step_times,
+)
 from engine import LLM, SamplingParams
 
 MODES = {"bf16": None, "fp8": "fp8"}
@@ -48,17 +55,7 @@ def _free() -> None:
 
 
 def speed(path: Path, quantization: str | None, ceil: dict, num_prompts: int) -> dict:
-    llm = LLM(
-        str(path),
-        load_format="dummy",
-        dtype="bfloat16",
-        skip_tokenizer_init=True,
-        max_model_len=1024,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        gpu_memory_utilization=0.85,
-        quantization=quantization,
-    )
+    llm = dummy_llm(path, quantization=quantization)
     runner = llm.engine.runner
     weight_bytes, kv_tok = runner.weights_bytes, llm.config.model.kv_bytes_per_token()
     n_params = sum(p.numel() for p in runner.model.parameters()) + sum(
