@@ -96,21 +96,17 @@ def _run_loop_with(shedder: Shedder, hold_s: float, seconds: float) -> list[int]
     return asyncio.run(main())
 
 
-def test_a_busy_loop_without_a_queue_is_not_overloaded(monkeypatch):
-    """Reproduced on the H200: 64 GPU-bound streams kept the loop ~95% busy, and shedding on
-    busy alone refused 15-30% of a c=64 benchmark. Busy in short slices (every callback starts
-    within a millisecond): the limit never falls. Only busy and lag decide here (no CPU floor),
-    so a machine shared with other processes gives the same answer."""
+def test_a_busy_loop_is_overloaded_and_its_lag_is_exported(monkeypatch):
+    """A loop kept busy in 30 ms slices: the limit falls below what is in flight, and the lag
+    gauge sees its timer fire late (a loop busy in short slices counts as overloaded too: the
+    queue of an overloaded gateway forms in its sockets, where the loop's timers do not see
+    it; requiring lag let it collapse at twice its saturation rate)."""
     monkeypatch.setattr(shedding, "MIN_CPU_FRACTION", 0.0)
+    s = _shedder(shed_busy_fraction=1e-9)
+    limits = _run_loop_with(s, hold_s=0.03, seconds=0.8)
+    assert limits[-1] < 50
+    assert max(s.lags_s) > 0.005  # its timer fired late
     limits = _run_loop_with(_shedder(shed_busy_fraction=1e-9), hold_s=0.0005, seconds=0.8)
-    assert min(limits) >= shedding.INITIAL_LIMIT
-
-
-def test_a_standing_queue_on_the_loop_is_overloaded(monkeypatch):
-    """The same busy loop in 30 ms slices: every timer fires late, the limit falls below what is
-    in flight."""
-    monkeypatch.setattr(shedding, "MIN_CPU_FRACTION", 0.0)
-    limits = _run_loop_with(_shedder(shed_busy_fraction=1e-9), hold_s=0.03, seconds=0.8)
     assert limits[-1] < 50
 
 
@@ -240,7 +236,6 @@ def test_the_adaptive_limit_sheds_when_the_process_counts_as_overloaded(
     """Any busy time counts as overload here (`shed_busy_fraction` tiny, no CPU floor): the
     limit falls to its floor, MIN_LIMIT, and the request past it is refused as `adaptive`."""
     monkeypatch.setattr(shedding, "MIN_CPU_FRACTION", 0.0)
-    monkeypatch.setattr(shedding, "LAG_TARGET_S", -1.0)
     assert MIN_LIMIT == 4
     settings = dict(decode=[fakes[0][1]], shed_busy_fraction=1e-9, metrics_port=0)
     with edge_gateway(tiny_qwen3_path, model_info, **settings) as (url, state):
