@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import socket
 import time
 
 from engine.internal_auth import internal_channel
@@ -86,3 +88,16 @@ async def wait_idle(stub, timeout_s: float = 20.0):
         if time.monotonic() > deadline:
             raise AssertionError(f"instance not idle after {timeout_s} s: {load}")
         await asyncio.sleep(0.1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metric_value(text: str, name: str) -> float:
+    """The first sample of `name` (any labels) in a Prometheus exposition."""
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert m, f"{name} not exported"
+    return float(m.group(1))

@@ -3,32 +3,25 @@
 from __future__ import annotations
 
 import asyncio
-import re
-import socket
 
 import httpx
 import pytest
 
 from engine.sampling_params import SamplingParams
 from tandem.launcher import Cluster
-from tests.integration.services import ENGINE_FLAGS, collect, decode_stub, generate_request
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _value(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-    assert m, f"{name} not exported"
-    return float(m.group(1))
+from tests.integration.services import (
+    ENGINE_FLAGS,
+    collect,
+    decode_stub,
+    free_port,
+    generate_request,
+    metric_value,
+)
 
 
 @pytest.fixture(scope="module")
 def services(tiny_qwen3_path):
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     cluster = Cluster(log_prefix=False)
     p = cluster.start(
         "prefill", [str(tiny_qwen3_path), *ENGINE_FLAGS, "--metrics-port", str(ports[0])]
@@ -51,7 +44,7 @@ def test_metrics_follow_the_work(services):
         "vllm:prefix_cache_hits_total",
         "vllm:prefix_cache_queries_total",
     ):
-        _value(before_d, name)
+        metric_value(before_d, name)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     prompt = list(range(10, 60))
 
@@ -63,11 +56,11 @@ def test_metrics_follow_the_work(services):
     asyncio.run(run())
     after_d = httpx.get(f"http://127.0.0.1:{d_port}/metrics").text
     after_p = httpx.get(f"http://127.0.0.1:{p_port}/metrics").text
-    assert _value(after_d, "vllm:time_to_first_token_seconds_count") == 2
-    assert _value(after_d, "vllm:inter_token_latency_seconds_count") == 8
-    assert _value(after_d, "tandem:num_remote_prefills_total") == 2
-    assert _value(after_p, "tandem:kv_transfer_bytes_total") > 0
-    assert _value(after_p, "vllm:prefix_cache_hits_total") >= 48  # 2nd prompt reuses 3 blocks
+    assert metric_value(after_d, "vllm:time_to_first_token_seconds_count") == 2
+    assert metric_value(after_d, "vllm:inter_token_latency_seconds_count") == 8
+    assert metric_value(after_d, "tandem:num_remote_prefills_total") == 2
+    assert metric_value(after_p, "tandem:kv_transfer_bytes_total") > 0
+    assert metric_value(after_p, "vllm:prefix_cache_hits_total") >= 48  # 2nd prompt reuses 3 blocks
     # Internal port only: the gRPC port does not serve it.
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://{d_addr}/metrics", timeout=2)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
-import socket
 
 import httpx
 import pytest
@@ -17,7 +15,9 @@ from tests.engine.test_spec_decode import _looping_prompt, _random_prompts
 from tests.integration.services import (
     collect,
     decode_stub,
+    free_port,
     generate_request,
+    metric_value,
     prefill_stub,
     start_services,
     wait_idle,
@@ -29,21 +29,9 @@ SPEC_MIN1 = json.dumps(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _counter(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-    assert m, f"{name} not exported"
-    return float(m.group(1))
-
-
 @pytest.fixture(scope="module")
 def services(tiny_repetitive_path):
-    port = _free_port()
+    port = free_port()
     cluster, prefills, decodes = start_services(
         tiny_repetitive_path,
         1,
@@ -67,7 +55,7 @@ def test_remote_prefill_then_speculation_equals_offline(services, offline):
     greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     seeded = SamplingParams(temperature=0.15, seed=5, max_tokens=60, ignore_eos=True)
     url = f"http://127.0.0.1:{port}/metrics"
-    before = _counter(httpx.get(url).text, "vllm:spec_decode_num_accepted_tokens_total")
+    before = metric_value(httpx.get(url).text, "vllm:spec_decode_num_accepted_tokens_total")
 
     async def run():
         stub = decode_stub(decode)
@@ -85,8 +73,8 @@ def test_remote_prefill_then_speculation_equals_offline(services, offline):
 
     asyncio.run(run())
     text = httpx.get(url).text
-    accepted = _counter(text, "vllm:spec_decode_num_accepted_tokens_total") - before
+    accepted = metric_value(text, "vllm:spec_decode_num_accepted_tokens_total") - before
     assert accepted > 100
-    assert _counter(text, "vllm:spec_decode_num_draft_tokens_total") >= accepted
-    assert _counter(text, "vllm:spec_decode_num_drafts_total") > 0
+    assert metric_value(text, "vllm:spec_decode_num_draft_tokens_total") >= accepted
+    assert metric_value(text, "vllm:spec_decode_num_drafts_total") > 0
     assert "vllm:spec_decode_num_accepted_tokens_per_pos_total{" in text
