@@ -89,6 +89,20 @@ def stop_serve(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def point_figures(r: dict, offline: float) -> dict:
+    return {
+        "output_tok_s": r["output_throughput"],
+        "ratio_to_offline": r["output_throughput"] / offline if offline else None,
+        "errors": r["failed"],
+        "ttft_p50_ms": r["median_ttft_ms"],
+        "ttft_p99_ms": r["p99_ttft_ms"],
+        "itl_p50_ms": r["median_itl_ms"],
+        "itl_p99_ms": r["p99_itl_ms"],
+        "itl_p99_over_p50": r["p99_itl_ms"] / r["median_itl_ms"] if r["median_itl_ms"] else None,
+        "tpot_p50_ms": r["median_tpot_ms"],
+    }
+
+
 def bench_point(path: Path, port: int, concurrency: int, n: int, out_dir: Path, label: str):
     name = f"{label}-c{concurrency}.json"
     cmd = [
@@ -123,6 +137,19 @@ def main() -> None:
         "--max-num-batched-tokens", type=int, default=8192,
         help="the services' token budget per step (the issue's workload: 8192)",
     )  # fmt: skip
+    ap.add_argument(
+        "--max-prefill-tokens-while-decoding", type=int, default=0,
+        help="the services' prompt tokens per step beside decodes (0: the whole budget)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--idle-prompts", type=int, default=20,
+        help="prompts sent one at a time first, for each mode's idle TTFT (0: none)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--compare-uncapped", default="",
+        help="concurrencies to run again on a colocated server without the prefill cap "
+        "(modes['colocated_uncapped']), e.g. 64",
+    )  # fmt: skip
     args = ap.parse_args()
     i = ENGINE_FLAGS.index("--max-num-batched-tokens")
     ENGINE_FLAGS[i + 1] = str(args.max_num_batched_tokens)
@@ -130,6 +157,15 @@ def main() -> None:
         ENGINE_FLAGS.extend(
             ["--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
         )
+    uncapped_flags = list(ENGINE_FLAGS)
+    if args.max_prefill_tokens_while_decoding:
+        ENGINE_FLAGS.extend(
+            ["--max-prefill-tokens-while-decoding", str(args.max_prefill_tokens_while_decoding)]
+        )
+    runs = [(mode, 1 if mode == "pd" else 0, ENGINE_FLAGS, args.concurrency)
+            for mode in args.modes.split(",")]  # fmt: skip
+    if args.compare_uncapped:
+        runs.append(("colocated_uncapped", 0, uncapped_flags, args.compare_uncapped))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,43 +175,44 @@ def main() -> None:
         print(f"offline {offline:.0f} tok/s ({time.monotonic() - t:.0f} s)", flush=True)
         modes: dict[str, dict] = {}
         rows = []
-        for mode in args.modes.split(","):
+        for mode, num_prefill, flags, concurrencies in runs:
             port = 8100 + len(modes)
             t = time.monotonic()
-            proc, log = start_serve(path, 1 if mode == "pd" else 0, port)
+            proc, log = start_serve(
+                path, num_prefill, port, [*flags, "--num-prefill", str(num_prefill)]
+            )
             print(f"{mode}: serving after {time.monotonic() - t:.0f} s", flush=True)
             try:
                 modes[mode] = {}
-                for c in map(int, args.concurrency.split(",")):
+                if args.idle_prompts and mode != "colocated_uncapped":
+                    r = bench_point(path, port, 1, args.idle_prompts, out_dir, f"serve_gpu-{mode}")
+                    modes[mode]["idle_ttft_p50_ms"] = r["median_ttft_ms"]
+                for c in map(int, concurrencies.split(",")):
                     r = bench_point(path, port, c, args.num_prompts, out_dir, f"serve_gpu-{mode}")
-                    point = {
-                        "output_tok_s": r["output_throughput"],
-                        "ratio_to_offline": r["output_throughput"] / offline if offline else None,
-                        "errors": r["failed"],
-                        "ttft_p50_ms": r["median_ttft_ms"],
-                        "ttft_p99_ms": r["p99_ttft_ms"],
-                        "itl_p50_ms": r["median_itl_ms"],
-                        "itl_p99_ms": r["p99_itl_ms"],
-                        "tpot_p50_ms": r["median_tpot_ms"],
-                    }
-                    modes[mode][str(c)] = point
-                    p = point
+                    p = modes[mode][str(c)] = point_figures(r, offline)
+                    idle = modes[mode].get("idle_ttft_p50_ms")
+                    if idle:
+                        p["ttft_p50_over_idle"] = p["ttft_p50_ms"] / idle
                     rows.append([mode, c, f"{p['output_tok_s']:.0f}",
                                  f"{p['ratio_to_offline'] or 0:.2f}", p["errors"],
                                  f"{p['ttft_p50_ms']:.0f}/{p['ttft_p99_ms']:.0f}",
-                                 f"{p['itl_p50_ms']:.1f}/{p['itl_p99_ms']:.1f}"])  # fmt: skip
-                    print(mode, c, json.dumps(point), flush=True)
+                                 f"{p.get('ttft_p50_over_idle') or 0:.1f}",
+                                 f"{p['itl_p50_ms']:.1f}/{p['itl_p99_ms']:.1f}",
+                                 f"{p['itl_p99_over_p50'] or 0:.1f}"])  # fmt: skip
+                    print(mode, c, json.dumps(p), flush=True)
             except subprocess.TimeoutExpired:
                 print("".join(log[-60:]), flush=True)
                 raise
             finally:
                 stop_serve(proc)
     config = {"model_shape": "qwen3-8b", "engine_flags": ENGINE_FLAGS,
+              "uncapped_engine_flags": uncapped_flags if args.compare_uncapped else None,
               "num_prompts": args.num_prompts, "input_len": 512, "output_len": 128}  # fmt: skip
     summary = {"offline_output_tok_s": offline, "modes": modes}
     path = write_result("serve_gpu", config, summary, out_dir)
     path.write_text(json.dumps({**summary, **json.loads(path.read_text())}, indent=2) + "\n")
-    header = ("mode", "conc", "out tok/s", "/offline", "errors", "TTFT p50/p99", "ITL p50/p99")
+    header = ("mode", "conc", "out tok/s", "/offline", "errors", "TTFT p50/p99", "/idle",
+              "ITL p50/p99", "p99/p50")  # fmt: skip
     print_table([tuple(map(str, r)) for r in rows], header)
 
 

@@ -132,6 +132,11 @@ class SchedulerConfig:
     # step (0: no cap). Online serving sets it so that a long prompt is spread over several
     # steps and the decodes batched with it never wait behind one huge chunk.
     long_prefill_token_threshold: int = 0
+    # Most prompt tokens (all requests together) in a step that also carries decodes (0: the
+    # whole budget). The threshold above bounds one request's chunk; this bounds the step, so a
+    # decode's inter-token latency is at most a decode step plus this many prefill tokens (the
+    # Sarathi-Serve budget). A step with no decodes keeps max_num_batched_tokens.
+    max_prefill_tokens_while_decoding: int = 0
     # Launch decode step N+1 before reading step N's tokens (steady greedy decode under CUDA
     # graphs): the host's scheduling and output work overlaps the GPU. None: on with graphs.
     async_scheduling: bool | None = None
@@ -162,6 +167,16 @@ class SchedulerConfig:
             raise ValueError(
                 "long_prefill_token_threshold splits prompts over steps: it needs chunked "
                 "prefill. Enable chunked prefill or set the threshold to 0."
+            )
+        if self.max_prefill_tokens_while_decoding < 0:
+            raise ValueError(
+                "max_prefill_tokens_while_decoding must be 0 (no cap) or positive, got "
+                f"{self.max_prefill_tokens_while_decoding}."
+            )
+        if self.max_prefill_tokens_while_decoding and not self.enable_chunked_prefill:
+            raise ValueError(
+                "max_prefill_tokens_while_decoding splits prompts over steps: it needs chunked "
+                "prefill. Enable chunked prefill or set it to 0."
             )
 
 
@@ -318,6 +333,7 @@ class EngineConfig:
         scheduling_policy: str = "fcfs",
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
+        max_prefill_tokens_while_decoding: int = 0,
         async_scheduling: bool | None = None,
         load_format: str = "auto",
         enforce_eager: bool = False,
@@ -387,6 +403,7 @@ class EngineConfig:
             policy=scheduling_policy,
             enable_chunked_prefill=enable_chunked_prefill,
             long_prefill_token_threshold=long_prefill_token_threshold,
+            max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
             async_scheduling=async_scheduling,
         )
         return cls(

@@ -173,6 +173,13 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         # A request's share of one step (its prompt's next chunk); no cap: the whole budget.
         cap = self.config.long_prefill_token_threshold or budget
+        # Prompt tokens this step may still take (all requests together): capped while any
+        # running request decodes, so that its next token waits for at most this much prefill.
+        prefill_budget = budget
+        if self.config.max_prefill_tokens_while_decoding and any(
+            r.num_computed_tokens >= r.num_prompt_tokens for r in self.running
+        ):
+            prefill_budget = self.config.max_prefill_tokens_while_decoding
         scheduled_ids: set[str] = set()
 
         for request in list(self.running):
@@ -182,6 +189,11 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget, cap)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            prefilling = request.num_computed_tokens < request.num_prompt_tokens
+            if prefilling:
+                num_new = min(num_new, prefill_budget)
+                if num_new == 0:
+                    continue
             drafts = self._drafts(request, min(budget, cap)) if num_new == 1 else []
             if drafts:
                 out.scheduled.append(ScheduledRequest(request, 1 + len(drafts), drafts))
@@ -199,6 +211,8 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             scheduled_ids.add(request.request_id)
             budget -= num_new
+            if prefilling:
+                prefill_budget -= num_new
 
         # No new admissions in a step that had to preempt: the pool is under pressure.
         while not out.preempted_ids and budget > 0 and len(self.waiting) > 0:
@@ -213,6 +227,10 @@ class Scheduler:
             num_new = request.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
+            if num_hit < request.num_prompt_tokens:  # a prompt: within the prefill budget
+                if prefill_budget == 0:
+                    break
+                num_new = min(num_new, prefill_budget)
             num_new = min(num_new, budget, cap)
             if not self.kv.allocate_slots(request, num_new, hit_blocks):
                 break
@@ -224,6 +242,8 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+            if num_hit < request.num_prompt_tokens:
+                prefill_budget -= num_new
         return out
 
     def _drafts(self, request: Request, max_num_new: int) -> list[int]:

@@ -100,6 +100,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "long prompt over steps so the decodes batched with it keep their pace",
     )
     parser.add_argument(
+        "--max-prefill-tokens-while-decoding",
+        type=int,
+        default=0,
+        help="most prompt tokens (all requests together) in a step that also decodes (0: the "
+        "whole --max-num-batched-tokens): bounds the inter-token latency at a decode step plus "
+        "this many prefill tokens; online serving with tight ITL sets 512-2048",
+    )
+    parser.add_argument(
         "--max-num-queued-reqs",
         type=int,
         default=None,
@@ -192,6 +200,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
         max_num_queued_reqs=args.max_num_queued_reqs,
         max_num_queued_tokens=args.max_num_queued_tokens,
         enable_prefix_caching=args.enable_prefix_caching,

@@ -1,6 +1,7 @@
 """`long_prefill_token_threshold` (vLLM's name): a long prompt is spread over several steps of
 at most that many tokens, the decodes batched with it keep getting a token every step, and the
-output equals transformers' all the same."""
+output equals transformers' all the same. `max_prefill_tokens_while_decoding` bounds the prompt
+tokens of all requests together in a step that decodes, the same way."""
 
 from __future__ import annotations
 
@@ -51,6 +52,53 @@ def test_a_long_prompt_is_chunked_while_decodes_keep_their_pace(tiny_llama_path)
     assert outputs["long"] == hf_greedy(tiny_llama_path, long, 16)
 
 
+def test_prompts_together_stay_within_the_step_budget_while_decoding(tiny_llama_path):
+    budget = 48
+    llm = LLM(
+        str(tiny_llama_path),
+        max_model_len=512,
+        max_prefill_tokens_while_decoding=budget,
+        async_scheduling=False,
+    )
+    core = llm.engine
+    rng = random.Random(1)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = [rng.randrange(3, 2000) for _ in range(100)]
+    schedule, steps = core.scheduler.schedule, []
+
+    def spy():
+        out = schedule()
+        steps.append({s.request.request_id: s.num_new_tokens for s in out.scheduled})
+        return out
+
+    core.scheduler.schedule = spy
+    outputs: dict[str, list[int]] = {}
+    core.add_request(Request("first", first, greedy, llm.eos_token_ids))
+    for o in core.step():  # nothing decodes yet: the whole prompt in one step
+        outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert steps == [{"first": 100}]
+    prompts = {f"p{i}": [rng.randrange(3, 2000) for _ in range(30 + 7 * i)] for i in range(4)}
+    for rid, prompt in prompts.items():
+        core.add_request(Request(rid, prompt, greedy, llm.eos_token_ids))
+    while core.has_unfinished_requests():
+        for o in core.step():
+            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    decoding_steps = [s for s in steps if s.get("first") == 1]
+    assert len(decoding_steps) == 11  # "first" got a token in every step until it finished
+    prompt_tokens = [sum(n for rid, n in s.items() if rid != "first" and n > 1) for s in steps]
+    for s, n in zip(steps, prompt_tokens):
+        if "first" in s:
+            assert n <= budget, s
+    # 30+37+44+51 = 162 prompt tokens: at most 48 per step, so at least 4 steps carry them, the
+    # budget filled in every step but the last of them (FCFS, chunked across requests).
+    carrying = [n for n in prompt_tokens if n]
+    assert sum(carrying) == sum(map(len, prompts.values()))
+    assert carrying[:3] == [budget] * 3
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == hf_greedy(tiny_llama_path, prompt, 12), rid
+    assert outputs["first"] == hf_greedy(tiny_llama_path, first, 12)
+
+
 def test_the_threshold_needs_chunked_prefill_and_is_not_negative():
     with pytest.raises(ValueError, match="needs chunked prefill"):
         SchedulerConfig(
@@ -61,3 +109,12 @@ def test_the_threshold_needs_chunked_prefill_and_is_not_negative():
         )
     with pytest.raises(ValueError, match="0 \\(no cap\\) or positive"):
         SchedulerConfig(long_prefill_token_threshold=-1)
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding must be 0"):
+        SchedulerConfig(max_prefill_tokens_while_decoding=-1)
+    with pytest.raises(ValueError, match="needs chunked prefill"):
+        SchedulerConfig(
+            max_num_batched_tokens=4096,
+            max_model_len=2048,
+            enable_chunked_prefill=False,
+            max_prefill_tokens_while_decoding=64,
+        )
