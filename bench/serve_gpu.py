@@ -80,6 +80,28 @@ def start_serve(
     raise RuntimeError("tandem serve did not come up:\n" + "".join(lines[-40:]))
 
 
+def gateway_pid(serve: subprocess.Popen) -> int | None:
+    """The gateway process of a `tandem serve` (its process group; `tandem.cli gateway`)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            pgrp = int((entry / "stat").read_text().rpartition(")")[2].split()[2])
+        except (OSError, ValueError, IndexError):
+            continue
+        if pgrp == serve.pid and b"gateway" in argv[:4]:
+            return int(entry.name)
+    return None
+
+
+def cpu_s(pid: int | None) -> float:
+    if pid is None:
+        return float("nan")
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def stop_serve(proc: subprocess.Popen) -> None:
     os.killpg(proc.pid, signal.SIGTERM)
     try:
@@ -146,6 +168,10 @@ def main() -> None:
         help="prompts sent one at a time first, for each mode's idle TTFT (0: none)",
     )  # fmt: skip
     ap.add_argument(
+        "--gateway-flags", default="",
+        help="extra `tandem serve` flags for its gateway, e.g. '--shed-busy-fraction 0'",
+    )  # fmt: skip
+    ap.add_argument(
         "--compare-uncapped", default="",
         help="concurrencies to run again on a colocated server without the prefill cap "
         "(modes['colocated_uncapped']), e.g. 64",
@@ -157,6 +183,7 @@ def main() -> None:
         ENGINE_FLAGS.extend(
             ["--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
         )
+    ENGINE_FLAGS.extend(args.gateway_flags.split())
     uncapped_flags = list(ENGINE_FLAGS)
     if args.max_prefill_tokens_while_decoding:
         ENGINE_FLAGS.extend(
@@ -187,9 +214,16 @@ def main() -> None:
                 if args.idle_prompts and mode != "colocated_uncapped":
                     r = bench_point(path, port, 1, args.idle_prompts, out_dir, f"serve_gpu-{mode}")
                     modes[mode]["idle_ttft_p50_ms"] = r["median_ttft_ms"]
+                gw = gateway_pid(proc)
                 for c in map(int, concurrencies.split(",")):
+                    cpu0 = cpu_s(gw)
                     r = bench_point(path, port, c, args.num_prompts, out_dir, f"serve_gpu-{mode}")
                     p = modes[mode][str(c)] = point_figures(r, offline)
+                    # The gateway's CPU over the point (its one process: busy near 1 = saturated)
+                    p["gateway_cpu_fraction"] = (cpu_s(gw) - cpu0) / r["duration"]
+                    p["gateway_cpu_us_per_token"] = (
+                        1e6 * (cpu_s(gw) - cpu0) / max(r["total_output_tokens"], 1)
+                    )
                     idle = modes[mode].get("idle_ttft_p50_ms")
                     if idle:
                         p["ttft_p50_over_idle"] = p["ttft_p50_ms"] / idle

@@ -181,6 +181,16 @@ GATEWAY_VALUES: dict[str, tuple[tuple[str, ...] | None, str]] = {  # (choices or
         "gateway processes behind the one port (vLLM's name; default 1); more than 1 needs "
         "--redis-url (the processes share quotas, the registry and the block index there)",
     ),
+    "--shed-busy-fraction": (
+        None,
+        "the gateway's load shedding: fewer requests admitted at once (503 + Retry-After) "
+        "while its event loop is busy more than this share of the time (default 0.9; 0: off)",
+    ),
+    "--max-inflight-requests": (
+        None,
+        "the gateway's fixed cap on requests in flight per process, streams included "
+        "(default: none)",
+    ),
 }
 
 
