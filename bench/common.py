@@ -68,6 +68,12 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of every thread of `pid`, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def write_result(
     name: str, config: dict[str, Any], results: dict[str, Any], results_dir: Path = RESULTS_DIR
 ) -> Path:

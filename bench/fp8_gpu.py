@@ -81,8 +81,13 @@ def accuracy() -> dict:
     llms = {
         # Both engines in one process on one GPU: each a fixed KV cache (a memory fraction
         # counts the process's allocations, the first engine's too).
-        m: LLM(SMOLLM2_REPO_ID, dtype="bfloat16", max_model_len=2048, quantization=q,
-               kv_cache_memory_bytes=2 << 30)  # fmt: skip
+        m: LLM(
+            SMOLLM2_REPO_ID,
+            dtype="bfloat16",
+            max_model_len=2048,
+            quantization=q,
+            kv_cache_memory_bytes=2 << 30,
+        )
         for m, q in MODES.items()
     }
     base, fp8 = llms["bf16"], llms["fp8"]

@@ -69,6 +69,7 @@ from bench import gateway_stages  # noqa: E402
 from bench.common import (  # noqa: E402
     ensure_internal_token,
     print_table,
+    process_cpu_s,
     stop_processes,
     write_result,
 )
@@ -221,12 +222,6 @@ async def measure_direct(address: str, rate: float, duration_s: float, warmup_s:
 
         await open_loop(send, rate, warmup_s)
         return await open_loop(send, rate, duration_s)
-
-
-def process_cpu_s(pid: int) -> float:
-    """utime + stime of every thread of `pid`, in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def own_cpu_s(pids: Sequence[int]) -> float:

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 # stage, then substrings of a frame "function (path:line)"; checked in this order for each frame.
@@ -79,13 +80,19 @@ def stage_of(stack: list[str]) -> str:
     return "other"
 
 
-def shares(raw: str) -> tuple[dict[str, float], int]:
-    """py-spy's raw (collapsed) output → ({stage: share of the samples}, number of samples)."""
-    counts: Counter[str] = Counter()
+def samples(raw: str) -> Iterator[tuple[list[str], int]]:
+    """py-spy's raw (collapsed) output → (stack, root first; number of samples) per line."""
     for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
         if stack and count.isdigit():
-            counts[stage_of(stack.split(";"))] += int(count)
+            yield stack.split(";"), int(count)
+
+
+def shares(raw: str) -> tuple[dict[str, float], int]:
+    """py-spy's raw (collapsed) output → ({stage: share of the samples}, number of samples)."""
+    counts: Counter[str] = Counter()
+    for stack, count in samples(raw):
+        counts[stage_of(stack)] += count
     total = sum(counts.values())
     return {s: n / total for s, n in counts.most_common()}, total
 

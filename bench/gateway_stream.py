@@ -35,11 +35,16 @@ if __package__ in (None, ""):
 import grpc  # noqa: E402
 
 from bench import gateway_stages  # noqa: E402
-from bench.common import ensure_internal_token, print_table, stop_processes, write_result  # noqa: E402
+from bench.common import (  # noqa: E402
+    ensure_internal_token,
+    print_table,
+    process_cpu_s,
+    stop_processes,
+    write_result,
+)  # noqa: E402
 from bench.gateway_overhead import (  # noqa: E402
     MESSAGES,
     SERVED,
-    process_cpu_s,
     start,
     start_gateway,
 )
@@ -156,14 +161,9 @@ def top_functions(raw: str, n: int = 25) -> list[tuple[str, float]]:
     """py-spy's raw (collapsed) stacks → the share of samples whose innermost frame is each
     function (own time), the first `n`."""
     own: collections.Counter = collections.Counter()
-    total = 0
-    for line in raw.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not (stack and count.isdigit()):
-            continue
-        frames = stack.split(";")
-        own[frames[-1]] += int(count)
-        total += int(count)
+    for stack, count in gateway_stages.samples(raw):
+        own[stack[-1]] += count
+    total = sum(own.values())
     return [(f, c / total) for f, c in own.most_common(n)]
 
 

@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import print_table, write_result
+from bench.common import print_table, process_cpu_s, write_result
 from bench.structured_output import QWEN3_8B, make_model_dir
 
 POINT_TIMEOUT_S = 240
@@ -93,13 +93,6 @@ def gateway_pid(serve: subprocess.Popen) -> int | None:
         if pgrp == serve.pid and b"gateway" in argv[:4]:
             return int(entry.name)
     return None
-
-
-def cpu_s(pid: int | None) -> float:
-    if pid is None:
-        return float("nan")
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def stop_serve(proc: subprocess.Popen) -> None:
@@ -216,14 +209,14 @@ def main() -> None:
                     modes[mode]["idle_ttft_p50_ms"] = r["median_ttft_ms"]
                 gw = gateway_pid(proc)
                 for c in map(int, concurrencies.split(",")):
-                    cpu0 = cpu_s(gw)
+                    cpu0 = process_cpu_s(gw) if gw else float("nan")
                     r = bench_point(path, port, c, args.num_prompts, out_dir, f"serve_gpu-{mode}")
                     p = modes[mode][str(c)] = point_figures(r, offline)
                     # The gateway's CPU over the point (its one process: busy near 1 = saturated)
-                    p["gateway_cpu_fraction"] = (cpu_s(gw) - cpu0) / r["duration"]
-                    p["gateway_cpu_us_per_token"] = (
-                        1e6 * (cpu_s(gw) - cpu0) / max(r["total_output_tokens"], 1)
-                    )
+                    gw_cpu_s = (process_cpu_s(gw) if gw else float("nan")) - cpu0
+                    p["gateway_cpu_fraction"] = gw_cpu_s / r["duration"]
+                    num_tokens = max(r["total_output_tokens"], 1)
+                    p["gateway_cpu_us_per_token"] = 1e6 * gw_cpu_s / num_tokens
                     idle = modes[mode].get("idle_ttft_p50_ms")
                     if idle:
                         p["ttft_p50_over_idle"] = p["ttft_p50_ms"] / idle

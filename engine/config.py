@@ -158,26 +158,15 @@ class SchedulerConfig:
             raise ValueError(
                 f"Unknown scheduling policy {self.policy!r}; use 'fcfs' or 'priority'."
             )
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(
-                "long_prefill_token_threshold must be 0 (no cap) or positive, got "
-                f"{self.long_prefill_token_threshold}."
-            )
-        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
-            raise ValueError(
-                "long_prefill_token_threshold splits prompts over steps: it needs chunked "
-                "prefill. Enable chunked prefill or set the threshold to 0."
-            )
-        if self.max_prefill_tokens_while_decoding < 0:
-            raise ValueError(
-                "max_prefill_tokens_while_decoding must be 0 (no cap) or positive, got "
-                f"{self.max_prefill_tokens_while_decoding}."
-            )
-        if self.max_prefill_tokens_while_decoding and not self.enable_chunked_prefill:
-            raise ValueError(
-                "max_prefill_tokens_while_decoding splits prompts over steps: it needs chunked "
-                "prefill. Enable chunked prefill or set it to 0."
-            )
+        for name in ("long_prefill_token_threshold", "max_prefill_tokens_while_decoding"):
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"{name} must be 0 (no cap) or positive, got {value}.")
+            if value and not self.enable_chunked_prefill:
+                raise ValueError(
+                    f"{name} splits prompts over steps: it needs chunked prefill. Enable "
+                    f"chunked prefill or set {name} to 0."
+                )
 
 
 STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar")

@@ -227,7 +227,8 @@ class Scheduler:
             num_new = request.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
-            if num_hit < request.num_prompt_tokens:  # a prompt: within the prefill budget
+            is_prompt = num_hit < request.num_prompt_tokens
+            if is_prompt:  # within the step's prefill budget
                 if prefill_budget == 0:
                     break
                 num_new = min(num_new, prefill_budget)
@@ -242,7 +243,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
-            if num_hit < request.num_prompt_tokens:
+            if is_prompt:
                 prefill_budget -= num_new
         return out
 

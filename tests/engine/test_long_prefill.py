@@ -17,6 +17,26 @@ from tests.engine.hf_reference import hf_greedy
 THRESHOLD = 32
 
 
+def record_schedules(core) -> list[dict[str, int]]:
+    """From now on, each step's {request id: tokens scheduled}, in order."""
+    schedule, steps = core.scheduler.schedule, []
+
+    def spy():
+        out = schedule()
+        steps.append({s.request.request_id: s.num_new_tokens for s in out.scheduled})
+        return out
+
+    core.scheduler.schedule = spy
+    return steps
+
+
+def step_until_done(core, outputs: dict[str, list[int]]) -> None:
+    """Step the core until nothing is left, adding each request's new tokens to `outputs`."""
+    while core.has_unfinished_requests():
+        for o in core.step():
+            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+
 def test_a_long_prompt_is_chunked_while_decodes_keep_their_pace(tiny_llama_path):
     llm = LLM(
         str(tiny_llama_path),
@@ -33,18 +53,9 @@ def test_a_long_prompt_is_chunked_while_decodes_keep_their_pace(tiny_llama_path)
         core.add_request(Request(f"s{i}", prompt, greedy, llm.eos_token_ids))
     core.step()  # the short prompts are prefilled: from now on they decode
     core.add_request(Request("long", long, greedy, llm.eos_token_ids))
-    schedule, steps = core.scheduler.schedule, []
-
-    def spy():
-        out = schedule()
-        steps.append({s.request.request_id: s.num_new_tokens for s in out.scheduled})
-        return out
-
-    core.scheduler.schedule = spy
+    steps = record_schedules(core)
     outputs: dict[str, list[int]] = {}
-    while core.has_unfinished_requests():
-        for o in core.step():
-            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    step_until_done(core, outputs)
     prefill_steps = [s for s in steps if s.get("long", 1) > 1]
     assert [s["long"] for s in prefill_steps] == [THRESHOLD] * 6 + [200 - 6 * THRESHOLD]
     for s in prefill_steps:  # the decodes (16 tokens each: running throughout) got theirs
@@ -64,14 +75,7 @@ def test_prompts_together_stay_within_the_step_budget_while_decoding(tiny_llama_
     rng = random.Random(1)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     first = [rng.randrange(3, 2000) for _ in range(100)]
-    schedule, steps = core.scheduler.schedule, []
-
-    def spy():
-        out = schedule()
-        steps.append({s.request.request_id: s.num_new_tokens for s in out.scheduled})
-        return out
-
-    core.scheduler.schedule = spy
+    steps = record_schedules(core)
     outputs: dict[str, list[int]] = {}
     core.add_request(Request("first", first, greedy, llm.eos_token_ids))
     for o in core.step():  # nothing decodes yet: the whole prompt in one step
@@ -80,9 +84,7 @@ def test_prompts_together_stay_within_the_step_budget_while_decoding(tiny_llama_
     prompts = {f"p{i}": [rng.randrange(3, 2000) for _ in range(30 + 7 * i)] for i in range(4)}
     for rid, prompt in prompts.items():
         core.add_request(Request(rid, prompt, greedy, llm.eos_token_ids))
-    while core.has_unfinished_requests():
-        for o in core.step():
-            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    step_until_done(core, outputs)
     decoding_steps = [s for s in steps if s.get("first") == 1]
     assert len(decoding_steps) == 11  # "first" got a token in every step until it finished
     prompt_tokens = [sum(n for rid, n in s.items() if rid != "first" and n > 1) for s in steps]
