@@ -7,8 +7,9 @@ shared clock (as a GPU's batch advances all requests together, so its MuxRespons
 requests' tokens at once); `--concurrency` streaming chat completions run back to back against
 one gateway process (auth off, no Redis). Over `--duration-s` it reports the gateway's CPU time
 (utime + stime of all its threads) per token delivered, the token rate, its event loop's busy
-fraction (from its own metrics), and the 503s its load shedder returned. With `--profile-s`,
-py-spy samples the gateway meanwhile and the top functions (own time) are listed.
+fraction (from its own metrics), the 503s its load shedder returned, and the SSE events per
+token (below 1 once it falls behind: what waits for a stream goes out as one event). With
+`--profile-s`, py-spy samples the gateway meanwhile and the top functions (own time) are listed.
 
     python -m bench.gateway_stream [--concurrency 128 --step-ms 20 --tokens 128]
 Writes `bench/results/gateway_stream-<YYYY-MM-DD>.json` and prints a short table.
@@ -214,10 +215,13 @@ def main() -> None:
     finally:
         stop_processes(procs, 20)
         shutil.rmtree(workdir, ignore_errors=True)
-    tokens = counts["events"]
+    # Every request counted ran to its end (ignore_eos): `tokens` each. A gateway that fell
+    # behind sends the tokens waiting for a stream as one event: events <= tokens.
+    tokens = counts["requests"] * args.tokens
     results = {
         "tokens": tokens,
         "requests": counts["requests"],
+        "sse_events_per_token": counts["events"] / tokens if tokens else None,
         "refused": {k: v for k, v in counts.items() if k.startswith("HTTP")},
         "tok_s": tokens / wall_s,
         "gateway_cpu_fraction": cpu_s / wall_s,
@@ -231,8 +235,9 @@ def main() -> None:
     print_table(
         [(str(args.concurrency), f"{results['tok_s']:.0f}",
           f"{results['gateway_cpu_fraction']:.2f}",
-          f"{results['gateway_cpu_us_per_token'] or 0:.1f}", str(busy), str(results["refused"]))],
-        ("conc", "tok/s", "gw CPU", "us/token", "loop busy", "refused"),
+          f"{results['gateway_cpu_us_per_token'] or 0:.1f}", str(busy), str(results["refused"]),
+          f"{results['sse_events_per_token'] or 0:.2f}")],
+        ("conc", "tok/s", "gw CPU", "us/token", "loop busy", "refused", "events/token"),
     )  # fmt: skip
     for f, s in [*stages.items(), *profile]:
         print(f"{100 * s:5.1f}%  {f}")

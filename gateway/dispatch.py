@@ -37,7 +37,7 @@ from gateway.errors import (
     APIError,
     hidden_failure,
 )
-from gateway.mux import GenerateCall
+from gateway.mux import GenerateCall, poll
 from gateway.preprocess import ChildJob
 from gateway.router import Outcome, Route, Router
 from protos import common_pb2, decode_pb2
@@ -102,7 +102,12 @@ class ChildStream:
             while True:
                 kind = msg.WhichOneof("kind")
                 if kind == "tokens":
-                    delta = self._on_tokens(msg.tokens)
+                    chunks = [msg.tokens]
+                    msg = poll(self.call)  # fell behind: what came meanwhile, as one delta
+                    while msg is not None and msg.WhichOneof("kind") == "tokens":
+                        chunks.append(msg.tokens)
+                        msg = poll(self.call)
+                    delta = self._on_tokens(chunks)
                     if self.state.finish_reason is not None:  # a stop string ended it here
                         self._is_done = True
                         self.call.cancel()  # D aborts on cancellation; Abort is belt and braces
@@ -110,7 +115,10 @@ class ChildStream:
                         yield delta
                         return
                     yield delta
-                elif kind == "final":
+                    if msg is None:
+                        msg = await self._read()
+                    continue
+                if kind == "final":
                     self._is_done = True
                     num_prompt_tokens = len(self.job.prompt_token_ids)
                     self._router.observe(
@@ -145,14 +153,14 @@ class ChildStream:
             raise APIError("Decode ended the stream without a final message.", 500)
         return msg
 
-    def _on_tokens(self, chunk: decode_pb2.TokenChunk) -> TokenDelta:
-        ids = list(chunk.token_ids)
-        lps = [dict(zip(lp.token_ids, lp.logprobs)) for lp in chunk.logprobs]
+    def _on_tokens(self, chunks: list[decode_pb2.TokenChunk]) -> TokenDelta:
+        """One delta for the chunks in order, as if each had been its own: each goes through
+        the detokenizer and stop strings by itself, and none after a stop string counts."""
         prompt_logprobs = None
         k = self.job.params.prompt_logprobs
         if k is not None and self._wants_prompt_logprobs:  # they come with the first chunk
             self._wants_prompt_logprobs = False
-            prompt_logprobs = PromptLogprobs(k, list(chunk.prompt_logprobs))
+            prompt_logprobs = PromptLogprobs(k, list(chunks[0].prompt_logprobs))
             num_expected = len(self.job.prompt_token_ids) - 1
             if len(prompt_logprobs.logprobs) != num_expected:  # never answer a partial list
                 detail = (
@@ -161,12 +169,20 @@ class ChildStream:
                     "prompt tokens"
                 )
                 raise hidden_failure(DECODE_FAILED_MID_STREAM, detail)
-        text = self.state.add(EngineCoreOutput(self.state.request_id, ids, lps))
+        texts, ids, logprobs = [], [], []
+        for chunk in chunks:
+            chunk_ids = list(chunk.token_ids)
+            lps = [dict(zip(lp.token_ids, lp.logprobs)) for lp in chunk.logprobs]
+            texts.append(self.state.add(EngineCoreOutput(self.state.request_id, chunk_ids, lps)))
+            ids += chunk_ids
+            logprobs += chunk.logprobs
+            if self.state.finish_reason is not None:
+                break
         return TokenDelta(
             self.job.index,
-            text,
+            "".join(texts),
             ids,
-            list(chunk.logprobs),
+            logprobs,
             self.state.finish_reason,
             self.state.stop_reason,
             prompt_logprobs=prompt_logprobs,

@@ -45,6 +45,13 @@ class GenerateCall(Protocol):
     def cancel(self) -> bool: ...
 
 
+def poll(call: GenerateCall) -> decode_pb2.GenerateResponse | None:
+    """The call's next response if it has already arrived, else None (always None for a unary
+    call, which cannot tell): what a reader that fell behind may take without waiting."""
+    take = getattr(call, "poll", None)
+    return None if take is None else take()
+
+
 class _Waitable:
     """A deque with one waiter: a wake-up without an asyncio.Queue per request."""
 
@@ -98,6 +105,13 @@ class MuxCall:
             self._unary = self._stream.stub.Generate(self.request)
             return await self._unary.read()
         return entry
+
+    def poll(self) -> decode_pb2.GenerateResponse | None:
+        """The next response if it is here already; an end (EOF, an error) is left for read."""
+        items = self._inbox.items
+        if self._unary is None and items and type(items[0]) is decode_pb2.GenerateResponse:
+            return items.popleft()
+        return None
 
     def cancel(self) -> bool:
         if self._unary is not None:

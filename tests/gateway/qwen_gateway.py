@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,15 +35,18 @@ QWEN_SERVED = "tiny-qwen3-chat"
 
 
 class ScriptedDecode(FakeDecode):
-    """A fake decode that streams `script` (token ids, one per chunk) when it is set, and
-    answers an engine ValueError with INVALID_ARGUMENT as the decode service does."""
+    """A fake decode that streams `script` (token ids, one per chunk, `script_interval_s`
+    apart) when it is set, and answers an engine ValueError with INVALID_ARGUMENT as the decode
+    service does. Chunks that reach the gateway faster than it streams them go out together
+    (gateway/dispatch.py): a test about how text arrives in pieces paces its script."""
 
     script: list[int] | None = None
     script_finish_reason: str = "stop"
+    script_interval_s: float = 0.0
 
     def reset(self) -> None:
         super().reset()
-        self.script, self.script_finish_reason = None, "stop"
+        self.script, self.script_finish_reason, self.script_interval_s = None, "stop", 0.0
 
     def Generate(self, request, context):
         if self.script is None:
@@ -52,7 +56,9 @@ class ScriptedDecode(FakeDecode):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
         self.record.requests.append(request)
-        for token in self.script:
+        for i, token in enumerate(self.script):
+            if i and self.script_interval_s:
+                time.sleep(self.script_interval_s)  # a decode's pace, not a wait for anything
             yield decode_pb2.GenerateResponse(tokens=decode_pb2.TokenChunk(token_ids=[token]))
         usage = common_pb2.Usage(
             prompt_tokens=len(request.prompt_token_ids), completion_tokens=len(self.script)

@@ -348,6 +348,7 @@ def test_auto_hermes_calls_streamed_and_not(qwen, qwen_gateway):
     kwargs = dict(model=QWEN_SERVED, messages=MESSAGES, tools=TOOLS)
     with qwen_gateway(**AUTO_HERMES) as client:
         choice = client.chat.completions.create(**kwargs).choices[0]
+        qwen.decode.script_interval_s = 0.02  # generated slower than streamed: one piece each
         content, calls, finish, deltas = _stream_calls(client, **kwargs)
     assert choice.finish_reason == "tool_calls" and finish == "tool_calls"
     assert choice.message.content == content == "Let me check.\n"
