@@ -17,21 +17,33 @@ queue all the same. The CPU floor keeps out the other case of waiting: a gateway
 do on a node crowded by engines (`tandem serve` on a small machine) waits for a CPU at every
 wake-up without any queue of its own (measured: busy 0.6-0.85, CPU 0.2-0.4, while 32 streams
 run through it). Without schedstat, CPU time stands for both.
-Both are measured over the last two windows. Overloaded: the limit drops to `DECREASE` x
-min(limit, requests in flight), so nothing new is admitted until some of it is done; not
-overloaded: it grows to
-`INCREASE` x max(limit, requests in flight) (from the floor, 4, to 1,000 in under 3 s). Under
-overload it settles near the concurrency this process serves with some of its time to spare:
-a handful of requests behind a fast decode, thousands of streams behind slow ones; once the
-overload is over it is soon out of the way.
+Both are measured over the last two windows, and what follows an overloaded window depends on
+whether the process was offered more than it admitted:
+- it refused a request (the adaptive bound, this window or the last): the limit drops to
+  `DECREASE` x requests in flight (unless it is lower already: a cut that has not taken effect
+  yet is not compounded), so nothing new is admitted until some of what is in flight is done;
+- it refused none: its time goes to what it has already admitted (streams relayed from a busy
+  GPU, a benchmark's closed loop where each new request replaces one that ended). Refusing the
+  replacements would turn a slow relay into errors (measured: 486-744 503s at c=256 behind one
+  H200, `bench/serve_gpu.py`), so the limit only closes in to `HEADROOM` x the most in flight
+  over the last second, + `MIN_LIMIT`: room for what comes back, none for a sudden surge,
+  whose excess is then refused and shrinks the limit as above. A fresh process starts at
+  `MAX_LIMIT`, where an idle one's limit is anyway: a benchmark's first burst is not a surge.
+  What this cannot tell apart: clients that retry a 503 at once (no Retry-After), surging onto
+  a loop already busy with streams, keep being refused while the streams last (measured on 2
+  CPUs: 512 streams after 200 onto a relay-saturated gateway, 109k 503s in 15 s); the SDKs
+  wait for Retry-After.
+Not overloaded, it grows to `INCREASE` x max(limit, requests in flight) (from the floor, 4, to
+1,000 in under 3 s). Under overload it settles near the concurrency this process serves with
+some of its time to spare: a handful of requests behind a fast decode, thousands of streams
+behind slow ones; once the overload is over it is soon out of the way.
 Lag (`tandem:event_loop_lag_seconds`: how late the watcher's own timer fires, the least over
 the last `LAG_WINDOWS` windows) is exported but does not decide. Requiring it as well (a
 standing queue, as CoDel does) was tried and measured: it kept a GPU-bound `tandem serve` from
 refusing a closed-loop c=64 benchmark, but at twice the saturation rate the gateway then served
 55 req/s of 1,232 with p99 9.9 s (34,107 client timeouts): its queue forms in the sockets and
 the clients, not in the loop's ready callbacks, so the loop's timers stay on time while the
-latency grows without bound. A gateway that must not shed while it streams (many long streams
-behind a GPU) runs more workers or a higher `--shed-busy-fraction`.
+latency grows without bound.
 `max_inflight_requests` (off by default) is the operator's fixed cap on top: the capacity
 measured for your traffic (req/s) x the latency you accept (s), by Little's law.
 
@@ -62,7 +74,13 @@ SCHEDSTAT = Path("/proc/thread-self/schedstat")
 MIN_CPU_FRACTION = 0.5
 LAG_WINDOWS = 4  # the exported lag: the least over this many windows
 DECREASE, INCREASE = 0.8, 1.1
-MIN_LIMIT, INITIAL_LIMIT, MAX_LIMIT = 4, 128, 1_000_000
+# Busy and refusing nothing: the limit closes in to this x the most in flight (+ MIN_LIMIT).
+HEADROOM = 1.25
+# ... the most in flight over this many windows (1 s): a closed loop's clients come back within
+# it even when a whole batch ended at one step (measured: at one 5 ms step, 128 streams ended
+# together and came back over more than two windows).
+PEAK_WINDOWS = 20
+MIN_LIMIT, MAX_LIMIT = 4, 1_000_000
 # OpenAI's own wording for a 503.
 OVERLOADED = "The server is overloaded or not ready yet."
 
@@ -71,13 +89,19 @@ OVERLOADED = "The server is overloaded or not ready yet."
 class AdmissionLimit:
     """The adaptive bound on requests in flight; `end_window` every WINDOW_S."""
 
-    limit: int = INITIAL_LIMIT
+    limit: int = MAX_LIMIT  # what an idle process's limit grows to within seconds
 
-    def end_window(self, is_overloaded: bool, num_inflight: int) -> None:
-        if is_overloaded:  # admit nothing more until some of what is in flight is done
-            self.limit = max(MIN_LIMIT, int(DECREASE * min(self.limit, num_inflight)))
-        else:  # what is in flight is served without overload: room for 10% more
+    def end_window(
+        self, is_overloaded: bool, num_inflight: int, peak_inflight: int, has_refused: bool
+    ) -> None:
+        """`peak_inflight`: the most in flight over the windows measured; `has_refused`: the
+        adaptive bound refused a request in them (offered more than admitted)."""
+        if not is_overloaded:  # what is in flight is served without overload: room for 10% more
             self.limit = min(MAX_LIMIT, int(INCREASE * max(self.limit, num_inflight)) + 1)
+        elif has_refused:  # admit nothing more until some of what is in flight is done
+            self.limit = min(self.limit, max(MIN_LIMIT, int(DECREASE * num_inflight)))
+        else:  # busy with what it admitted: keep room for replacements, none for a surge
+            self.limit = min(self.limit, int(HEADROOM * peak_inflight) + MIN_LIMIT)
 
 
 class Shedder:
@@ -90,6 +114,10 @@ class Shedder:
         self.adaptive = AdmissionLimit() if self.is_adaptive else AdmissionLimit(MAX_LIMIT)
         self.max_inflight = settings.max_inflight_requests or MAX_LIMIT
         self.num_inflight = 0
+        # The most in flight, this window and the PEAK_WINDOWS - 1 before it.
+        self.peak_inflight = [0] * PEAK_WINDOWS
+        # The adaptive bound's refusals, this window and the last.
+        self.num_refused = [0, 0]
         self.busy_fraction = self.cpu_fraction = 0.0  # over the last two windows
         self.lags_s = [0.0] * LAG_WINDOWS  # how late the watcher woke, the last windows
         self._task: asyncio.Task | None = None
@@ -145,8 +173,11 @@ class Shedder:
         if self.num_inflight >= self.max_inflight:
             return "max_inflight"
         if self.num_inflight >= self.adaptive.limit:
+            self.num_refused[-1] += 1
             return "adaptive"
         self.num_inflight += 1
+        if self.num_inflight > self.peak_inflight[-1]:
+            self.peak_inflight[-1] = self.num_inflight
         return None
 
     def done(self) -> None:
@@ -176,7 +207,10 @@ class Shedder:
             is_overloaded = (
                 self.busy_fraction > self.max_busy_fraction and self.cpu_fraction > MIN_CPU_FRACTION
             )
-            self.adaptive.end_window(is_overloaded, self.num_inflight)
+            peak, has_refused = max(self.peak_inflight), any(self.num_refused)
+            self.adaptive.end_window(is_overloaded, self.num_inflight, peak, has_refused)
+            self.peak_inflight = [*self.peak_inflight[1:], self.num_inflight]
+            self.num_refused = [self.num_refused[-1], 0]
 
 
 def _open_schedstat() -> int | None:

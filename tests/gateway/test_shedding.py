@@ -28,29 +28,43 @@ PROMPT = {"model": SERVED_NAME, "prompt": "Hello", "max_tokens": 100, "ignore_eo
 CHAT = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 
 
-def test_limit_drops_below_what_is_in_flight_when_overloaded():
+def _end(limit: AdmissionLimit, is_overloaded: bool, num_inflight: int, **kwargs) -> int:
+    kwargs.setdefault("peak_inflight", num_inflight)
+    kwargs.setdefault("has_refused", False)
+    limit.end_window(is_overloaded, num_inflight, **kwargs)
+    return limit.limit
+
+
+def test_limit_drops_below_what_is_in_flight_when_overloaded_and_refusing():
     limit = AdmissionLimit(limit=100)
-    limit.end_window(is_overloaded=True, num_inflight=50)
-    assert limit.limit == 40  # 0.8 x min(limit, in flight): admissions stop at once
-    limit.end_window(is_overloaded=True, num_inflight=200)
-    assert limit.limit == 32
+    assert _end(limit, True, 50, has_refused=True) == 40  # 0.8 x in flight
+    assert _end(limit, True, 45, has_refused=True) == 36
+    # Still above the limit (the last cut has not taken effect): not cut again.
+    assert _end(limit, True, 200, has_refused=True) == 36
     for _ in range(50):
-        limit.end_window(is_overloaded=True, num_inflight=0)
+        _end(limit, True, 0, has_refused=True)
     assert limit.limit == MIN_LIMIT
+
+
+def test_overloaded_without_refusals_keeps_room_for_what_is_in_flight_and_no_more():
+    """Busy with what it admitted: the limit closes in to HEADROOM x the peak in flight +
+    MIN_LIMIT, never below what is in flight, and never grows."""
+    limit = AdmissionLimit(limit=MAX_LIMIT)
+    assert _end(limit, True, 480, peak_inflight=512) == int(1.25 * 512) + MIN_LIMIT == 644
+    assert _end(limit, True, 512, peak_inflight=512) == 644  # a steady closed loop: it stays
+    assert _end(limit, True, 600, peak_inflight=700) == 644  # never grows while overloaded
+    assert _end(limit, True, 0, peak_inflight=0) == MIN_LIMIT  # busy with nothing in flight
+    limit = AdmissionLimit(limit=40)
+    assert _end(limit, True, 50, peak_inflight=50) == 40  # a limit below it stays there
 
 
 def test_limit_grows_while_not_overloaded():
     limit = AdmissionLimit(limit=10)
-    limit.end_window(is_overloaded=False, num_inflight=3)
-    assert limit.limit == 12
+    assert _end(limit, False, 3) == 12
     # Streams admitted before a drop, served without overload now: the limit comes back above
     # them at once, not 10% a window from the floor.
-    limit = AdmissionLimit(limit=MIN_LIMIT)
-    limit.end_window(is_overloaded=False, num_inflight=500)
-    assert limit.limit == 551
-    limit = AdmissionLimit(limit=MAX_LIMIT)
-    limit.end_window(is_overloaded=False, num_inflight=MAX_LIMIT)
-    assert limit.limit == MAX_LIMIT
+    assert _end(AdmissionLimit(limit=MIN_LIMIT), False, 500) == 551
+    assert _end(AdmissionLimit(limit=MAX_LIMIT), False, MAX_LIMIT) == MAX_LIMIT
 
 
 def _shedder(**overrides) -> Shedder:
@@ -66,9 +80,11 @@ def test_admission_counts_in_flight_and_names_the_bound():
     assert s.admit() is None
     s.adaptive.limit = 3
     assert s.admit() == "max_inflight"  # the lower bound names itself
+    assert s.num_refused[-1] == 0  # the operator's cap says nothing about overload
     s.max_inflight = MAX_LIMIT
     assert s.admit() is None
     assert s.admit() == "adaptive"
+    assert s.num_refused[-1] == 1 and s.peak_inflight[-1] == 3
 
 
 def test_shedding_off_has_no_adaptive_limit():
@@ -135,6 +151,10 @@ def test_busy_time_counts_waiting_for_a_cpu():
 
 def _scrape(state) -> str:
     return httpx.get("http://{}:{}/metrics".format(*state.edge.metrics_address)).text
+
+
+def _metric(text: str, name: str) -> str:
+    return next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " "))
 
 
 def _wait_for(predicate, timeout_s: float = 10.0) -> None:
@@ -246,3 +266,85 @@ def test_the_adaptive_limit_sheds_when_the_process_counts_as_overloaded(
             assert httpx.get(f"{url}/health", timeout=5).status_code == 200
             assert f'tandem:requests_shed_total{{reason="adaptive"}} {BURST}.0' in _scrape(state)
             assert all(next(line for line in lines if line) for lines in held)
+
+
+class LoadedLoop:
+    """`loop_thread_times` for a loop whose thread is busy exactly while requests are in flight
+    (the shedder's own count): a gateway whose CPU goes to what it has admitted, as one relaying
+    many streams behind a GPU. Busy or idle then follows the load, not this machine's."""
+
+    def __init__(self, monkeypatch, load_at: int = 1):
+        self.shedder: Shedder | None = None
+        self.load_at = load_at  # idle until this many were in flight at once
+        self.is_loaded = False  # ... or while this is False
+        self.busy_s, self.last = 0.0, time.monotonic()
+        start = Shedder.start
+
+        def capture(shedder: Shedder) -> None:
+            self.shedder = shedder
+            start(shedder)
+
+        monkeypatch.setattr(Shedder, "start", capture)
+        monkeypatch.setattr(shedding, "loop_thread_times", self.times)
+
+    def times(self, fd=None) -> tuple[float, float]:
+        now = time.monotonic()
+        if self.shedder is not None and max(self.shedder.peak_inflight) >= self.load_at:
+            self.is_loaded = True
+        if self.is_loaded and self.shedder is not None and self.shedder.num_inflight > 0:
+            self.busy_s += now - self.last
+        self.last = now
+        return self.busy_s, self.busy_s
+
+
+def _closed_loop(url: str, clients: int, requests_each: int) -> list[int]:
+    """`clients` threads, each sending its streamed completions one after another (a new one as
+    soon as the last ended, as a benchmark at fixed concurrency does): every status code."""
+
+    def client(_: int) -> list[int]:
+        codes = []
+        with httpx.Client(base_url=url, timeout=30) as http:
+            for _ in range(requests_each):
+                body = {**PROMPT, "max_tokens": 4, "stream": True}
+                with http.stream("POST", "/v1/completions", json=body) as resp:
+                    codes.append(resp.status_code)
+                    resp.read()
+        return codes
+
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        return [code for codes in pool.map(client, range(clients)) for code in codes]
+
+
+def test_a_loop_busy_with_what_it_admitted_refuses_no_client_of_a_closed_loop(
+    tiny_qwen3_path, model_info, fakes, fake, monkeypatch
+):
+    """Streams keep the loop busy (every window past the busy fraction), but each new request
+    replaces one that ended: the gateway is offered no more than it serves, so it refuses
+    nothing (it used to drop its limit below what was in flight and refuse the replacements:
+    503s at c=256 behind one H200). The same busy loop offered a burst still sheds it.
+    The loop turns busy once all clients are in (a benchmark's start is one burst; a ramp
+    slower than a window over a loop already busy is a surge, shed as one)."""
+    loop = LoadedLoop(monkeypatch, load_at=6)
+    monkeypatch.setattr(shedding, "MIN_CPU_FRACTION", 0.0)
+    fake.knobs.token_delay_s = 0.05  # each stream ~0.2 s: several windows of a busy loop
+    settings = dict(decode=[fakes[0][1]], shed_busy_fraction=0.5, metrics_port=0)
+    with edge_gateway(tiny_qwen3_path, model_info, **settings) as (url, state):
+        codes = _closed_loop(url, clients=6, requests_each=5)
+        assert codes == [200] * 30
+        assert loop.busy_s > 5 * shedding.WINDOW_S  # it was busy for many windows meanwhile
+        assert 'tandem:requests_shed_total{reason="adaptive"} 0.0' in _scrape(state)
+        # Offered more: six streams held (admitted while the loop was idle), then a burst of
+        # BURST while they keep it busy. It keeps room for HEADROOM x what it holds; the rest of
+        # the burst is refused at once, and the limit drops.
+        fake.knobs.token_delay_s = 0.5
+        loop.is_loaded, loop.load_at = False, MAX_LIMIT
+        with contextlib.ExitStack() as stack:
+            held = _hold_streams(url, 6, stack)
+            loop.is_loaded = True
+            room = int(shedding.HEADROOM * 6) + MIN_LIMIT
+            _wait_for(lambda: f"tandem:admission_limit {room}.0" in _scrape(state))
+            refused = [r for r in _burst(url) if r[0].status_code == 503]
+            assert len(refused) >= BURST - (room - 6)
+            _assert_refused(refused)
+            assert all(next(line for line in lines if line) for lines in held)
+            assert float(_metric(_scrape(state), "tandem:admission_limit")) < room
