@@ -45,7 +45,10 @@ def offline_tok_s(path: Path, n: int) -> float:
         "rng = random.Random(3)\n"
         f"prompts = [{{'prompt_token_ids': [rng.randrange(150000) for _ in range(512)]}}"
         f" for _ in range({n})]\n"
-        "llm.generate(prompts[:64], SamplingParams(temperature=0, max_tokens=8))\n"
+        # Warm-up prompts of their own: the timed ones must not find their prefix cached.
+        "warm = [{'prompt_token_ids': [rng.randrange(150000) for _ in range(512)]}"
+        " for _ in range(64)]\n"
+        "llm.generate(warm, SamplingParams(temperature=0, max_tokens=8))\n"
         "p = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)\n"
         "torch.cuda.synchronize(); t = time.perf_counter()\n"
         "outs = llm.generate(prompts, p)\n"
@@ -118,14 +121,19 @@ def point_figures(r: dict, offline: float) -> dict:
     }
 
 
-def bench_point(path: Path, port: int, concurrency: int, n: int, out_dir: Path, label: str):
+def bench_point(
+    path: Path, port: int, concurrency: int, n: int, out_dir: Path, label: str, seed: int
+):
+    """`seed`: a different one for every point of a server, or the prompts of the earlier points
+    come back and find their KV in the prefix cache (no prefill: throughput and TTFT inflated,
+    as every point after the first was before 2026-12-02)."""
     name = f"{label}-c{concurrency}.json"
     cmd = [
         sys.executable, "-m", "tandem.cli", "bench", "serve", "--backend", "openai",
         "--base-url", f"http://127.0.0.1:{port}", "--model", str(path),
         "--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "128",
         "--random-range-ratio", "0", "--num-prompts", str(n), "--max-concurrency",
-        str(concurrency), "--ignore-eos", "--seed", "0", "--disable-tqdm",
+        str(concurrency), "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
         "--save-result", "--result-dir", str(out_dir), "--result-filename", name,
     ]  # fmt: skip
@@ -205,12 +213,14 @@ def main() -> None:
             try:
                 modes[mode] = {}
                 if args.idle_prompts and mode != "colocated_uncapped":
-                    r = bench_point(path, port, 1, args.idle_prompts, out_dir, f"serve_gpu-{mode}")
+                    label = f"serve_gpu-{mode}"
+                    r = bench_point(path, port, 1, args.idle_prompts, out_dir, label, seed=1000)
                     modes[mode]["idle_ttft_p50_ms"] = r["median_ttft_ms"]
                 gw = gateway_pid(proc)
-                for c in map(int, concurrencies.split(",")):
+                for seed, c in enumerate(map(int, concurrencies.split(","))):
                     cpu0 = process_cpu_s(gw) if gw else float("nan")
-                    r = bench_point(path, port, c, args.num_prompts, out_dir, f"serve_gpu-{mode}")
+                    label = f"serve_gpu-{mode}"
+                    r = bench_point(path, port, c, args.num_prompts, out_dir, label, seed)
                     p = modes[mode][str(c)] = point_figures(r, offline)
                     # The gateway's CPU over the point (its one process: busy near 1 = saturated)
                     gw_cpu_s = (process_cpu_s(gw) if gw else float("nan")) - cpu0
