@@ -153,6 +153,19 @@ class ChildStream:
             raise APIError("Decode ended the stream without a final message.", 500)
         return msg
 
+    def _pieces(self, chunks: list[decode_pb2.TokenChunk]):
+        """(token ids, their logprobs) of each chunk in order; one token at a time where stop
+        strings are watched, so that one found inside a chunk of several tokens (speculative
+        decoding accepts several at once) ends the output at the token that completed it, as
+        token-by-token streaming would: no ids, logprobs or usage past it."""
+        for chunk in chunks:
+            ids, lps = list(chunk.token_ids), list(chunk.logprobs)
+            if self.state.stop is None or len(ids) < 2:
+                yield ids, lps
+                continue
+            for i, token in enumerate(ids):
+                yield [token], lps[i : i + 1]
+
     def _on_tokens(self, chunks: list[decode_pb2.TokenChunk]) -> TokenDelta:
         """One delta for the chunks in order, as if each had been its own: each goes through
         the detokenizer and stop strings by itself, and none after a stop string counts."""
@@ -170,12 +183,11 @@ class ChildStream:
                 )
                 raise hidden_failure(DECODE_FAILED_MID_STREAM, detail)
         texts, ids, logprobs = [], [], []
-        for chunk in chunks:
-            chunk_ids = list(chunk.token_ids)
-            lps = [dict(zip(lp.token_ids, lp.logprobs)) for lp in chunk.logprobs]
+        for chunk_ids, chunk_logprobs in self._pieces(chunks):
+            lps = [dict(zip(lp.token_ids, lp.logprobs)) for lp in chunk_logprobs]
             texts.append(self.state.add(EngineCoreOutput(self.state.request_id, chunk_ids, lps)))
             ids += chunk_ids
-            logprobs += chunk.logprobs
+            logprobs += chunk_logprobs
             if self.state.finish_reason is not None:
                 break
         return TokenDelta(

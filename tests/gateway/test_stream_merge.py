@@ -58,24 +58,29 @@ class Router:
         pass
 
 
-def messages(token_ids: list[int]) -> list[decode_pb2.GenerateResponse]:
-    """One chunk per token with its logprob (top-1), then the final."""
+def messages(token_ids: list[int], per_chunk: int = 1) -> list[decode_pb2.GenerateResponse]:
+    """`per_chunk` tokens per chunk (several: speculative decoding accepted them in one step)
+    with their logprobs (top-1), then the final."""
     out = []
-    for i, token in enumerate(token_ids):
-        lp = common_pb2.TokenLogprobs(token_ids=[token], logprobs=[-0.5 - i])
-        chunk = decode_pb2.TokenChunk(token_ids=[token], logprobs=[lp])
+    for start in range(0, len(token_ids), per_chunk):
+        ids = token_ids[start : start + per_chunk]
+        lps = [
+            common_pb2.TokenLogprobs(token_ids=[token], logprobs=[-0.5 - start - i])
+            for i, token in enumerate(ids)
+        ]
+        chunk = decode_pb2.TokenChunk(token_ids=ids, logprobs=lps)
         out.append(decode_pb2.GenerateResponse(tokens=chunk))
     usage = common_pb2.Usage(prompt_tokens=3, completion_tokens=len(token_ids))
     final = decode_pb2.Final(finish_reason="length", usage=usage)
     return [*out, decode_pb2.GenerateResponse(final=final)]
 
 
-async def stream(call_type, model_info, token_ids, params):
+async def stream(call_type, model_info, token_ids, params, per_chunk=1):
     tokenizer = model_info.tokenizer
     processor = OutputProcessor(tokenizer)
     prompt = tokenizer.encode("Hello", add_special_tokens=False)
     state = processor.add_request("r1", prompt, params)
-    call = call_type(messages(token_ids))
+    call = call_type(messages(token_ids, per_chunk))
     first = await call.read()
     clients = Clients()
     route = Route(decode=Instance("127.0.0.1:1", "d1"), prefills=())
@@ -85,8 +90,8 @@ async def stream(call_type, model_info, token_ids, params):
     return deltas, call, clients
 
 
-def run(call_type, model_info, token_ids, params):
-    return asyncio.run(stream(call_type, model_info, token_ids, params))
+def run(call_type, model_info, token_ids, params, per_chunk=1):
+    return asyncio.run(stream(call_type, model_info, token_ids, params, per_chunk))
 
 
 def joined(deltas):
@@ -125,3 +130,24 @@ def test_a_stop_string_inside_what_waits_ends_it_at_the_same_token(model_info, i
     assert text == TEXT[: TEXT.index("lazy") + (4 if include_stop else 0)]
     assert len(ids) < len(token_ids)  # the tokens after the stop string count for nothing
     assert call.is_cancelled and clients.aborted == ["r1"]
+
+
+def test_a_stop_string_inside_a_chunk_of_several_tokens_ends_at_the_same_token(model_info):
+    """A chunk of several tokens (speculation accepts several per step): with a stop string
+    watched, the gateway still ends at the token that completed it (ids, logprobs and text as
+    one by one)."""
+    token_ids = model_info.tokenizer.encode(TEXT, add_special_tokens=False)
+    params = SamplingParams(max_tokens=len(token_ids), stop=["lazy"], logprobs=0)
+    one_by_one, _, _ = run(UnaryCall, model_info, token_ids, params)
+    for per_chunk in (5, len(token_ids)):
+        merged, call, clients = run(UnaryCall, model_info, token_ids, params, per_chunk)
+        assert joined(merged) == joined(one_by_one)
+        text, ids, logprobs_out, finish = joined(merged)
+        assert finish == "stop" and text == TEXT[: TEXT.index("lazy")]
+        assert len(ids) < len(token_ids) and len(logprobs_out) == len(ids)
+        assert call.is_cancelled and clients.aborted == ["r1"]
+    # Without stop strings a chunk goes through whole: the same output.
+    params = SamplingParams(max_tokens=len(token_ids), logprobs=0)
+    assert joined(run(UnaryCall, model_info, token_ids, params, 7)[0]) == joined(
+        run(UnaryCall, model_info, token_ids, params)[0]
+    )
