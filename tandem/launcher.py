@@ -11,6 +11,7 @@ when the launcher gives up, exiting 1).
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
 import logging
 import os
@@ -48,6 +49,8 @@ class Child:
     argv: list[str] = field(default_factory=list)
     # Set on the READY line, or when the output ends (the child exited without it).
     ready: threading.Event = field(default_factory=threading.Event)
+    # Its last lines of output: what a child that died before READY said, for the error.
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=40))
 
 
 class Cluster:
@@ -76,6 +79,7 @@ class Cluster:
 
         def pump() -> None:  # forward the child's log, catch its READY line
             for line in proc.stdout:
+                child.tail.append(line)
                 if line.startswith("READY "):
                     child.address = line.split()[2]
                     child.ready.set()
@@ -102,9 +106,10 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{role} did not become ready within {timeout_s} s")
         if child.address is None:
+            where = "see its log above" if self.log_prefix else "its last output:\n"
             raise RuntimeError(
-                f"{role} exited with code {child.proc.wait()} before becoming ready; "
-                "see its log above"
+                f"{role} exited with code {child.proc.wait()} before becoming ready; {where}"
+                + ("" if self.log_prefix else "".join(child.tail))
             )
         return child
 

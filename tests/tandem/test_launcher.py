@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tandem.launcher import Child, _on_port, _without, gpu_placement
+from tandem.launcher import Child, Cluster, _on_port, _without, gpu_placement
 from tandem.supervisor import GiveUpError, RestartPolicy, Supervisor
 
 
@@ -205,3 +205,15 @@ def test_a_restart_that_never_gets_ready_is_killed_and_counted():
     clock.now += 101.0
     sup.tick()
     assert hung.proc.returncode == -9 and sup.slots[0].num_start_failures == 1
+
+
+def test_a_child_that_dies_before_ready_is_reported_with_its_last_output(monkeypatch):
+    """Without the log forwarded (as the integration tests run a cluster), the error itself
+    carries what the child said: here, its refusal to start without the internal token."""
+    for name in ("TANDEM_INTERNAL_TOKEN", "TANDEM_INTERNAL_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError) as failure:
+        Cluster(log_prefix=False).start("prefill", ["/nonexistent/model-dir"], timeout_s=120)
+    message = str(failure.value)
+    assert message.startswith("prefill exited with code 1 before becoming ready; its last output:")
+    assert "internal gRPC would be unauthenticated" in message
