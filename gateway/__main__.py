@@ -15,6 +15,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from engine import internal_auth
+from engine.lifeline import die_with_parent
 from engine.ports import bind_error
 from engine.registry import resolve_redis_url
 from gateway.app import create_app
@@ -252,4 +253,5 @@ async def _serve(
 
 
 if __name__ == "__main__":
+    die_with_parent()  # a worker of `--workers N` (engine/lifeline.py): end with its parent
     main()

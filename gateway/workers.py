@@ -27,7 +27,6 @@ Metrics: workers serve theirs on loopback ports of their own; the parent serves 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import signal
 import socket
@@ -38,6 +37,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engine.lifeline import child_env
 from gateway.config import GatewaySettings
 from gateway.worker_metrics import MetricsServer
 
@@ -46,14 +46,6 @@ logger = logging.getLogger(__name__)
 READY_PREFIX = "READY gateway-worker "
 MAX_START_FAILURES = 3
 INITIAL_BACKOFF_S, MAX_BACKOFF_S, STABLE_S = 1.0, 30.0, 60.0
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL("libc.so.6", use_errno=True)
-
-
-def _die_with_parent() -> None:
-    """Runs in the worker between fork and exec: SIGTERM when the parent goes away. (libc is
-    loaded beforehand: the forked child of a threaded parent should do as little as possible.)"""
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def reuseport_socket(host: str, port: int) -> socket.socket:
@@ -117,9 +109,7 @@ class WorkerPool:
             "gateway",
             *worker_argv(self.argv, self.port, index, has_metrics),
         ]
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, text=True, bufsize=1, preexec_fn=_die_with_parent
-        )
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1, env=child_env())
         worker = self.workers[index] = Worker(index, proc)
         threading.Thread(target=self._pump, args=(worker,), daemon=True).start()
         return worker

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import sys
 
+from engine.lifeline import die_with_parent
+
 
 def _generate(argv: list[str]) -> int:
     import argparse
@@ -39,6 +41,7 @@ def _generate(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()  # started by `tandem serve` (engine/lifeline.py): end with it
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)

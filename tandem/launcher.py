@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import logging
 import os
 import secrets
@@ -25,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.internal_auth import ENV_TOKEN
+from engine.lifeline import child_env
 from engine.ports import bind_error
 from engine.registry import REDIS_URL_ENV, resolve_redis_url
 from gateway.reasoning import REASONING_PARSERS
@@ -32,13 +32,6 @@ from gateway.tool_parsers import TOOL_PARSERS
 from tandem.supervisor import GiveUpError, Supervisor
 
 logger = logging.getLogger(__name__)
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM when the launcher goes away."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -69,7 +62,7 @@ class Cluster:
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
-            preexec_fn=_die_with_parent,
+            env=child_env(),
         )
         child = Child(role, proc, argv=list(argv))
         if replaces is None:

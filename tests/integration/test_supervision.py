@@ -19,12 +19,12 @@ import httpx
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.lifeline import child_env
 from engine.registry import INSTANCES_KEY
 from engine.sampling_params import SamplingParams
 from engine.service_main import EXIT_ENGINE_DEAD
 from engine.serving import sampling_params_to_proto
 from protos import decode_pb2, decode_pb2_grpc
-from tandem.launcher import _die_with_parent
 from tests.integration.services import ENGINE_FLAGS
 from tests.redis_server import redis_server  # noqa: F401  (the fixture)
 
@@ -45,8 +45,7 @@ class LineProc:
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
-            env=env,
-            preexec_fn=_die_with_parent,
+            env=child_env(env),
         )
         self.lines: list[str] = []
         self.is_eof = False

@@ -14,6 +14,7 @@ import threading
 import numpy as np
 import pytest
 
+from engine.lifeline import child_env
 from engine.tokenizer import load_tokenizer
 from tandem.benchmark.datasets import (
     SampleRequest,
@@ -25,7 +26,6 @@ from tandem.benchmark.datasets import (
 from tandem.benchmark.metrics import calculate_metrics, parse_goodput
 from tandem.benchmark.runner import LoadPoint, Target, arrival_offsets_s, run_load
 from tandem.cli import main as tandem_main
-from tandem.launcher import _die_with_parent
 from tests.integration.services import ENGINE_FLAGS
 from tests.tandem.bench_stub import StubServer, StubSession, run_virtual
 
@@ -321,7 +321,7 @@ def test_smoke_against_tandem_serve(tmp_path, tiny_qwen3_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        preexec_fn=_die_with_parent,
+        env=child_env(),
     )
     url: list[str] = []
     ready = threading.Event()
