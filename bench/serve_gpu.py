@@ -212,14 +212,13 @@ def main() -> None:
             print(f"{mode}: serving after {time.monotonic() - t:.0f} s", flush=True)
             try:
                 modes[mode] = {}
+                label = f"serve_gpu-{mode}"
                 if args.idle_prompts and mode != "colocated_uncapped":
-                    label = f"serve_gpu-{mode}"
                     r = bench_point(path, port, 1, args.idle_prompts, out_dir, label, seed=1000)
                     modes[mode]["idle_ttft_p50_ms"] = r["median_ttft_ms"]
                 gw = gateway_pid(proc)
                 for seed, c in enumerate(map(int, concurrencies.split(","))):
                     cpu0 = process_cpu_s(gw) if gw else float("nan")
-                    label = f"serve_gpu-{mode}"
                     r = bench_point(path, port, c, args.num_prompts, out_dir, label, seed)
                     p = modes[mode][str(c)] = point_figures(r, offline)
                     # The gateway's CPU over the point (its one process: busy near 1 = saturated)

@@ -3,8 +3,9 @@
 `tandem serve` and `tandem gateway --workers N` start their services as child processes and
 want them gone if they die (SIGKILL included): Linux's PR_SET_PDEATHSIG. Setting it in a
 `preexec_fn` runs Python between fork and exec in a parent whose gRPC threads may hold locks
-at the fork: the child then crashed before exec now and then (measured in the integration
-tests: exit -11 and -6 with no output, about one start in a hundred under load). Instead the
+at the fork: the child then crashed before exec now and then (CI: a prefill's exit -6; under
+load, tests/integration/test_kv_routing.py lost a decode to exit -11 in 2 of 7 runs, none of 6
+since; no output either time). Instead the
 parent passes its pid in `PARENT_PID_ENV` (`child_env`) and the child, first thing in its entry
 point, asks for the signal itself (`die_with_parent`) and checks that the parent has not died
 already (between the fork and that call).

@@ -31,8 +31,8 @@ whether the process was offered more than it admitted:
   `MAX_LIMIT`, where an idle one's limit is anyway: a benchmark's first burst is not a surge.
   What this cannot tell apart: clients that retry a 503 at once (no Retry-After), surging onto
   a loop already busy with streams, keep being refused while the streams last (measured on 2
-  CPUs: 512 streams after 200 onto a relay-saturated gateway, 109k 503s in 15 s); the SDKs
-  wait for Retry-After.
+  CPUs: 256 streams onto a relay-saturated gateway, 77,396 503s in 20 s,
+  `bench/results/gateway_stream_shedder-2026-12-02.json`); the SDKs wait for Retry-After.
 Not overloaded, it grows to `INCREASE` x max(limit, requests in flight) (from the floor, 4, to
 1,000 in under 3 s). Under overload it settles near the concurrency this process serves with
 some of its time to spare: a handful of requests behind a fast decode, thousands of streams

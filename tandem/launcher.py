@@ -99,10 +99,10 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{role} did not become ready within {timeout_s} s")
         if child.address is None:
-            where = "see its log above" if self.log_prefix else "its last output:\n"
+            said = "".join(child.tail)
+            where = "see its log above" if self.log_prefix else f"its last output:\n{said}"
             raise RuntimeError(
                 f"{role} exited with code {child.proc.wait()} before becoming ready; {where}"
-                + ("" if self.log_prefix else "".join(child.tail))
             )
         return child
 

@@ -44,6 +44,7 @@ def test_a_child_dies_when_its_parent_is_killed():
     parent = subprocess.Popen(
         [sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, env=_env()
     )
+    child_pid = None
     try:
         child_pid = int(parent.stdout.readline())
         assert parent.stdout.readline().strip() == "armed"  # the child's own line
@@ -57,6 +58,8 @@ def test_a_child_dies_when_its_parent_is_killed():
     finally:
         parent.kill()
         parent.wait()
+        if child_pid is not None and not _is_gone(child_pid):  # a failed run leaves nothing
+            os.kill(child_pid, signal.SIGKILL)
 
 
 def test_a_child_whose_parent_is_already_gone_ends_at_once():
