@@ -39,6 +39,7 @@ from engine.request import Request
 from engine.scheduler import SchedulerFullError
 from engine.service_main import ServiceContext, run_service, service_main, service_parser
 from engine.serving import (
+    Draining,
     KVPublishing,
     check_prompt,
     load_response,
@@ -54,7 +55,7 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "tandem.v1.Decode"
 
 
-class DecodeServicer(decode_mux.DecodeServicer):
+class DecodeServicer(decode_mux.DecodeServicer, Draining):
     def __init__(
         self,
         engine: AsyncEngine,
@@ -94,6 +95,11 @@ class DecodeServicer(decode_mux.DecodeServicer):
 
     # ---- Generate ------------------------------------------------------------------------
     async def Generate(self, request, context):
+        async with self.admit(context, "decode"):
+            async for response in self._generate(request, context):
+                yield response
+
+    async def _generate(self, request, context):
         try:
             req = self._parse(request)
         except ValueError as e:
@@ -193,6 +199,17 @@ class DecodeServicer(decode_mux.DecodeServicer):
                 "prefill_requests": self.prefill.num_requests,
             }
         return {**self.counters, **self.remote.stats, **rejected, **served}
+
+    def start_draining(self) -> None:
+        super().start_draining()
+        self.close_mux_streams()
+        if self.prefill is not None:
+            self.prefill.start_draining()
+
+    async def until_idle(self) -> None:
+        await super().until_idle()
+        if self.prefill is not None:
+            await self.prefill.until_idle()
 
     async def GetLoad(self, request, context):
         return load_response(

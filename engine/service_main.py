@@ -28,6 +28,7 @@ from engine.engine_core import EngineCore
 from engine.metrics import start_metrics_server
 from engine.registry import add_registry_args, resolve_redis_url
 from engine.serving import (
+    Draining,
     Health,
     HelpFormatter,
     KVPublishing,
@@ -235,20 +236,25 @@ async def _serve_until(server: grpc.aio.Server, engine: AsyncEngine, drain: asyn
 
 
 async def _drain(
-    server: grpc.aio.Server, servicer: Any, health: Health, kv: KVPublishing, grace_s: float
+    server: grpc.aio.Server, servicer: Draining, health: Health, kv: KVPublishing, grace_s: float
 ) -> None:
-    """Scale-in / rolling restart: turn unready (readiness probes and routers stop sending),
-    leave the Redis pool, refuse new RPCs (UNAVAILABLE: the gateway and decodes try another
-    instance; a decode's GenerateMux streams refuse new requests the same way and end once
-    theirs have), and let the ones in flight finish (D: its streams; P: its prefills and their
-    KV writes) for up to `grace_s`, then return so that the process exits 0."""
+    """Scale-in / rolling restart: refuse new work (UNAVAILABLE: the gateway and decodes try
+    another instance; a decode's GenerateMux streams refuse new requests the same way and end
+    once theirs have), turn unready (readiness probes and routers stop sending), leave the
+    Redis pool, and let the work in flight finish (D: its streams; P: its prefills and their KV
+    writes) for up to `grace_s` while the server still listens, so that late callers get that
+    clean UNAVAILABLE (`Draining`); then stop the server and return, so that the process
+    exits 0."""
     started = time.monotonic()
+    servicer.start_draining()
     await health.drain()
     await asyncio.to_thread(kv.stop)
     kv.close_streams()
-    if hasattr(servicer, "close_mux_streams"):  # a decode (protos/decode_mux.py)
-        servicer.close_mux_streams()
-    await server.stop(grace_s)
+    try:
+        await asyncio.wait_for(servicer.until_idle(), grace_s)
+    except TimeoutError:
+        logger.warning("drain: work still in flight after %.1f s; stopping anyway", grace_s)
+    await server.stop(max(0.0, grace_s - (time.monotonic() - started)))
     logger.info("drained in %.1f s; exiting", time.monotonic() - started)
 
 

@@ -366,6 +366,43 @@ class KVPublishing:
         )
 
 
+# ---- drain ---------------------------------------------------------------------------------
+class Draining:
+    """A servicer's side of a drain (engine/service_main.py `_drain`). After `start_draining`
+    its handlers refuse new work with UNAVAILABLE (`admit`: the gateway or decode tries another
+    instance) while the server still listens, and `until_idle` waits for the work admitted
+    before. Only then does the server stop: a call that reaches a stopping server is reset
+    (the client sees CANCELLED, which nothing retries), so the listening window must be ours."""
+
+    is_draining = False
+    _num_in_flight = 0
+    _idle: asyncio.Event | None = None
+
+    def start_draining(self) -> None:
+        self.is_draining = True
+
+    @contextlib.asynccontextmanager
+    async def admit(self, context, role: str):
+        """Around one handler: refuses it while draining, else counts it as in flight."""
+        if self.is_draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"the {role} is draining; send it to another instance"
+            )
+        self._num_in_flight += 1
+        try:
+            yield
+        finally:
+            self._num_in_flight -= 1
+            if self._num_in_flight == 0 and self._idle is not None:
+                self._idle.set()
+
+    async def until_idle(self) -> None:
+        """Returns once no handler admitted before the drain is running."""
+        while self._num_in_flight:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
+
+
 # ---- health --------------------------------------------------------------------------------
 class Health:
     """gRPC health of one service (`serve_health`): liveness is the empty name, readiness the

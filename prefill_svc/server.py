@@ -27,6 +27,7 @@ from engine.request import Request
 from engine.scheduler import SchedulerFullError
 from engine.service_main import ServiceContext, run_service, service_main, service_parser
 from engine.serving import (
+    Draining,
     KVPublishing,
     check_prompt,
     load_response,
@@ -45,7 +46,7 @@ _TOMBSTONE_S = 600.0
 _MAX_TOMBSTONES = 100_000
 
 
-class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer, Draining):
     def __init__(
         self,
         engine: AsyncEngine,
@@ -70,6 +71,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.num_requests = 0
 
     async def Prefill(self, request, context):
+        async with self.admit(context, "prefill"):
+            return await self._prefill(request, context)
+
+    async def _prefill(self, request, context):
         received = time.monotonic()
         if request.transfer_id in self._aborted:  # the decode gave up on it before it got here
             await context.abort(grpc.StatusCode.ABORTED, "transfer was aborted by the decode")
