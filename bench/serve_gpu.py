@@ -165,6 +165,10 @@ def main() -> None:
         help="the services' prompt tokens per step beside decodes (0: the whole budget)",
     )  # fmt: skip
     ap.add_argument(
+        "--prefill-backlog-steps", type=int, default=0,
+        help="with the cap above: raise it to 1/N of the waiting prompt tokens (0: fixed cap)",
+    )  # fmt: skip
+    ap.add_argument(
         "--idle-prompts", type=int, default=20,
         help="prompts sent one at a time first, for each mode's idle TTFT (0: none)",
     )  # fmt: skip
@@ -176,6 +180,11 @@ def main() -> None:
         "--compare-uncapped", default="",
         help="concurrencies to run again on a colocated server without the prefill cap "
         "(modes['colocated_uncapped']), e.g. 64",
+    )  # fmt: skip
+    ap.add_argument(
+        "--compare-fixed-cap", default="",
+        help="concurrencies to run again on a colocated server without --prefill-backlog-steps "
+        "(modes['colocated_fixed_cap']), e.g. 256",
     )  # fmt: skip
     args = ap.parse_args()
     i = ENGINE_FLAGS.index("--max-num-batched-tokens")
@@ -190,10 +199,15 @@ def main() -> None:
         ENGINE_FLAGS.extend(
             ["--max-prefill-tokens-while-decoding", str(args.max_prefill_tokens_while_decoding)]
         )
+    fixed_cap_flags = list(ENGINE_FLAGS)
+    if args.prefill_backlog_steps:
+        ENGINE_FLAGS.extend(["--prefill-backlog-steps", str(args.prefill_backlog_steps)])
     runs = [(mode, 1 if mode == "pd" else 0, ENGINE_FLAGS, args.concurrency)
             for mode in args.modes.split(",")]  # fmt: skip
     if args.compare_uncapped:
         runs.append(("colocated_uncapped", 0, uncapped_flags, args.compare_uncapped))
+    if args.compare_fixed_cap:
+        runs.append(("colocated_fixed_cap", 0, fixed_cap_flags, args.compare_fixed_cap))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -213,7 +227,7 @@ def main() -> None:
             try:
                 modes[mode] = {}
                 label = f"serve_gpu-{mode}"
-                if args.idle_prompts and mode != "colocated_uncapped":
+                if args.idle_prompts and mode in ("pd", "colocated"):
                     r = bench_point(path, port, 1, args.idle_prompts, out_dir, label, seed=1000)
                     modes[mode]["idle_ttft_p50_ms"] = r["median_ttft_ms"]
                 gw = gateway_pid(proc)
@@ -243,6 +257,7 @@ def main() -> None:
                 stop_serve(proc)
     config = {"model_shape": "qwen3-8b", "engine_flags": ENGINE_FLAGS,
               "uncapped_engine_flags": uncapped_flags if args.compare_uncapped else None,
+              "fixed_cap_engine_flags": fixed_cap_flags if args.compare_fixed_cap else None,
               "num_prompts": args.num_prompts, "input_len": 512, "output_len": 128}  # fmt: skip
     summary = {"offline_output_tok_s": offline, "modes": modes}
     path = write_result("serve_gpu", config, summary, out_dir)

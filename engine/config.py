@@ -137,6 +137,11 @@ class SchedulerConfig:
     # decode's inter-token latency is at most a decode step plus this many prefill tokens (the
     # Sarathi-Serve budget). A step with no decodes keeps max_num_batched_tokens.
     max_prefill_tokens_while_decoding: int = 0
+    # With the cap above: raise it to 1/N of the prompt tokens waiting (up to the whole budget)
+    # so that a backlog clears in about N steps (0: a fixed cap). Under light load the cap
+    # holds (inter-token latency); once prompts queue faster than the cap admits them, the
+    # budget follows the queue and throughput does not stay flat at the cap's rate.
+    prefill_backlog_steps: int = 0
     # Launch decode step N+1 before reading step N's tokens (steady greedy decode under CUDA
     # graphs): the host's scheduling and output work overlaps the GPU. None: on with graphs.
     async_scheduling: bool | None = None
@@ -157,6 +162,16 @@ class SchedulerConfig:
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"Unknown scheduling policy {self.policy!r}; use 'fcfs' or 'priority'."
+            )
+        if self.prefill_backlog_steps < 0:
+            raise ValueError(
+                f"prefill_backlog_steps must be 0 (a fixed cap) or positive, got "
+                f"{self.prefill_backlog_steps}."
+            )
+        if self.prefill_backlog_steps and not self.max_prefill_tokens_while_decoding:
+            raise ValueError(
+                "prefill_backlog_steps raises max_prefill_tokens_while_decoding with the queue: "
+                "set max_prefill_tokens_while_decoding too (e.g. 512), or drop it."
             )
         for name in ("long_prefill_token_threshold", "max_prefill_tokens_while_decoding"):
             value = getattr(self, name)
@@ -323,6 +338,7 @@ class EngineConfig:
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
         max_prefill_tokens_while_decoding: int = 0,
+        prefill_backlog_steps: int = 0,
         async_scheduling: bool | None = None,
         load_format: str = "auto",
         enforce_eager: bool = False,
@@ -393,6 +409,7 @@ class EngineConfig:
             enable_chunked_prefill=enable_chunked_prefill,
             long_prefill_token_threshold=long_prefill_token_threshold,
             max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
+            prefill_backlog_steps=prefill_backlog_steps,
             async_scheduling=async_scheduling,
         )
         return cls(

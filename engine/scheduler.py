@@ -78,6 +78,11 @@ class WaitingQueue:
             return iter(self._fifo)
         return (entry[-1] for entry in sorted(self._heap))
 
+    def num_prompt_tokens_left(self) -> int:
+        """Prompt tokens the waiting requests have still to compute (before prefix hits)."""
+        requests = self._fifo if self.policy == "fcfs" else (e[-1] for e in self._heap)
+        return sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in requests)
+
     def add(self, request: Request, front: bool = False) -> None:
         if self.policy == "fcfs":
             (self._fifo.appendleft if front else self._fifo.append)(request)
@@ -179,7 +184,7 @@ class Scheduler:
         if self.config.max_prefill_tokens_while_decoding and any(
             r.num_computed_tokens >= r.num_prompt_tokens for r in self.running
         ):
-            prefill_budget = self.config.max_prefill_tokens_while_decoding
+            prefill_budget = self._prefill_budget_while_decoding()
         scheduled_ids: set[str] = set()
 
         for request in list(self.running):
@@ -246,6 +251,21 @@ class Scheduler:
             if is_prompt:
                 prefill_budget -= num_new
         return out
+
+    def _prefill_budget_while_decoding(self) -> int:
+        """`max_prefill_tokens_while_decoding`, raised to 1/`prefill_backlog_steps` of the
+        prompt tokens waiting (admitted or not), up to the step's whole budget: a backlog
+        clears in about that many steps instead of at a fixed rate the arrivals outrun."""
+        config = self.config
+        if not config.prefill_backlog_steps:
+            return config.max_prefill_tokens_while_decoding
+        backlog = self.waiting.num_prompt_tokens_left() + sum(
+            max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in self.running
+        )
+        share = -(-backlog // config.prefill_backlog_steps)
+        return max(
+            config.max_prefill_tokens_while_decoding, min(share, config.max_num_batched_tokens)
+        )
 
     def _drafts(self, request: Request, max_num_new: int) -> list[int]:
         """Draft tokens for a decoding request, their slots allocated; [] when there is no

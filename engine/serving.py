@@ -108,6 +108,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "this many prefill tokens; online serving with tight ITL sets 512-2048",
     )
     parser.add_argument(
+        "--prefill-backlog-steps",
+        type=int,
+        default=0,
+        help="with --max-prefill-tokens-while-decoding: raise that cap to 1/N of the prompt "
+        "tokens waiting (up to --max-num-batched-tokens), so that a backlog clears in about N "
+        "steps; 0 keeps the cap fixed (throughput then stays at the rate it admits prompts)",
+    )
+    parser.add_argument(
         "--max-num-queued-reqs",
         type=int,
         default=None,
@@ -201,6 +209,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
+        prefill_backlog_steps=args.prefill_backlog_steps,
         max_num_queued_reqs=args.max_num_queued_reqs,
         max_num_queued_tokens=args.max_num_queued_tokens,
         enable_prefix_caching=args.enable_prefix_caching,

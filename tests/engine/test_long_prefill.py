@@ -1,7 +1,8 @@
 """`long_prefill_token_threshold` (vLLM's name): a long prompt is spread over several steps of
 at most that many tokens, the decodes batched with it keep getting a token every step, and the
 output equals transformers' all the same. `max_prefill_tokens_while_decoding` bounds the prompt
-tokens of all requests together in a step that decodes, the same way."""
+tokens of all requests together in a step that decodes, the same way; `prefill_backlog_steps`
+raises that bound with the queue, so that a backlog clears in about that many steps."""
 
 from __future__ import annotations
 
@@ -99,6 +100,56 @@ def test_prompts_together_stay_within_the_step_budget_while_decoding(tiny_llama_
     for rid, prompt in prompts.items():
         assert outputs[rid] == hf_greedy(tiny_llama_path, prompt, 12), rid
     assert outputs["first"] == hf_greedy(tiny_llama_path, first, 12)
+
+
+def test_the_budget_while_decoding_follows_the_backlog(tiny_llama_path):
+    budget, backlog_steps = 48, 2
+    llm = LLM(
+        str(tiny_llama_path),
+        max_model_len=512,
+        max_num_batched_tokens=100,
+        max_prefill_tokens_while_decoding=budget,
+        prefill_backlog_steps=backlog_steps,
+        async_scheduling=False,
+    )
+    core = llm.engine
+    rng = random.Random(2)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = [rng.randrange(3, 2000) for _ in range(60)]
+    steps = record_schedules(core)
+    outputs: dict[str, list[int]] = {}
+    core.add_request(Request("first", first, greedy, llm.eos_token_ids))
+    for o in core.step():
+        outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    prompts = {f"p{i}": [rng.randrange(3, 2000) for _ in range(30 + 7 * i)] for i in range(4)}
+    prompts["big"] = [rng.randrange(3, 2000) for _ in range(300)]
+    for rid, prompt in prompts.items():
+        core.add_request(Request(rid, prompt, greedy, llm.eos_token_ids))
+    step_until_done(core, outputs)
+    # 462 prompt tokens wait. Each step takes half of what is left (never under the fixed cap
+    # of 48), within the step's 100 tokens less those its decodes take.
+    left = sum(map(len, prompts.values()))
+    carried = []
+    for s in steps[1:]:
+        if not left:
+            break
+        prefill = sum(n for n in s.values() if n > 1)
+        decodes = sum(n for n in s.values() if n == 1)
+        assert prefill == min(max(budget, -(-left // backlog_steps)), 100 - decodes, left), s
+        carried.append(prefill)
+        left -= prefill
+    assert not left and carried[0] == 99 and carried[-2] == budget, carried
+    assert len(carried) == 6, carried  # the fixed cap takes 10 steps (462 / 48)
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == hf_greedy(tiny_llama_path, prompt, 12), rid
+    assert outputs["first"] == hf_greedy(tiny_llama_path, first, 12)
+
+
+def test_the_backlog_rule_needs_its_cap():
+    with pytest.raises(ValueError, match="set max_prefill_tokens_while_decoding too"):
+        SchedulerConfig(prefill_backlog_steps=4)
+    with pytest.raises(ValueError, match="prefill_backlog_steps must be 0"):
+        SchedulerConfig(max_prefill_tokens_while_decoding=512, prefill_backlog_steps=-1)
 
 
 def test_the_threshold_needs_chunked_prefill_and_is_not_negative():
