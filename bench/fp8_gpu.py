@@ -57,7 +57,7 @@ def _free() -> None:
 def speed(path: Path, quantization: str | None, ceil: dict, num_prompts: int) -> dict:
     llm = dummy_llm(path, quantization=quantization)
     runner = llm.engine.runner
-    weight_bytes, kv_tok = runner.weights_bytes, llm.config.model.kv_bytes_per_token()
+    weight_bytes, kv_tok = runner.weights_bytes, llm.config.kv_bytes_per_token()
     n_params = sum(p.numel() for p in runner.model.parameters()) + sum(
         b.numel() for name, b in runner.model.named_buffers() if name.endswith("weight")
     )

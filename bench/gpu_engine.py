@@ -175,7 +175,7 @@ def bench_model(name: str, path: Path, ceil: dict, args) -> dict:
     copy_bps = ceil["copy_GBps"] * 1e9
     res: dict = {}
     llm = dummy_llm(path)
-    kv_tok = llm.config.model.kv_bytes_per_token()
+    kv_tok = llm.config.kv_bytes_per_token()
     wb, n_params = weight_bytes(llm), param_count(llm)
     res["weight_GB"] = wb / 1e9
     step_times(llm, random_prompts(2, 64, 99), 8)  # warm-up

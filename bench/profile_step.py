@@ -85,7 +85,7 @@ def profile_case(llm: LLM, batch: int, ctx: int, copy_bps: float) -> dict:
     # The per-layer period: kernels between the embedding and the LM head, split evenly.
     per_layer = (len(trace) - 4) // layers
     mid = 2 + per_layer * (layers // 2)
-    kv_tok = core.config.model.kv_bytes_per_token()
+    kv_tok = core.config.kv_bytes_per_token()
     floor_s = (core.runner.weights_bytes + batch * (ctx + 20) * kv_tok) / copy_bps
     host = io.StringIO()
     pstats.Stats(prof, stream=host).sort_stats("tottime").print_stats(14)

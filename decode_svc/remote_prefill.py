@@ -77,6 +77,7 @@ class RemotePrefill:
         self.core = engine.core
         self.agent = agent
         self.agent_metadata = agent.get_agent_metadata()
+        self.block_bytes = self.core.runner.kv_cache[0].nbytes  # what P checks its layout against
         self.receiver = receiver
         self.prefill_timeout_s = prefill_timeout_s
         self.lease_s = lease_s
@@ -150,6 +151,7 @@ class RemotePrefill:
                     block_ids=alloc.block_ids[first_block : cdiv(req.num_prompt_tokens, bs)],
                     first_block=first_block,
                     transfer_token=token,
+                    block_bytes=self.block_bytes,
                 ),
             )
             wait_s = self._wait_s(target, req.num_prompt_tokens - alloc.num_hit_tokens)

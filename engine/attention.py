@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.config import FP8_E4M3_MAX
+
 
 @dataclass
 class AttentionMetadata:
@@ -61,8 +63,16 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     block_size = kv_layer.shape[2]
     block_ids = slot_mapping // block_size
     offsets = slot_mapping % block_size
-    kv_layer[block_ids, 0, offsets] = k.to(kv_layer.dtype)
-    kv_layer[block_ids, 1, offsets] = v.to(kv_layer.dtype)
+    kv_layer[block_ids, 0, offsets] = to_cache_dtype(k, kv_layer.dtype)
+    kv_layer[block_ids, 1, offsets] = to_cache_dtype(v, kv_layer.dtype)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache stores it: an FP8 cache (scale 1.0) saturates at its largest finite value,
+    as vLLM's conversion does, instead of overflowing to NaN."""
+    if dtype == torch.float8_e4m3fn:
+        x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return x.to(dtype)
 
 
 class TorchPagedAttention(AttentionBackend):

@@ -87,9 +87,14 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 
-    def kv_bytes_per_token(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype | None = None) -> int:
+        """K and V of one token over all layers, stored as `kv_dtype` (default: the model's)."""
+        elem = torch.tensor([], dtype=kv_dtype or self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
 @dataclass(frozen=True)
@@ -101,8 +106,22 @@ class CacheConfig:
     # CPU (or an explicit cap on GPU): bytes of KV cache to allocate.
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
+    # vLLM's --kv-cache-dtype: "auto" stores K/V in the model's dtype; "fp8" (= "fp8_e4m3")
+    # in FP8 e4m3 with a scale of 1.0 (vLLM's default without calibrated scales), saturating
+    # at +-448: half the bytes per token, so twice the tokens in the same memory.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            hint = (
+                " FP8 e5m2 is not supported: use fp8 (e4m3)."
+                if self.cache_dtype == "fp8_e5m2"
+                else ""
+            )
+            raise ValueError(
+                f"Unknown kv_cache_dtype {self.cache_dtype!r}; use one of "
+                f"{', '.join(KV_CACHE_DTYPES)}.{hint}"
+            )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -117,6 +136,10 @@ class CacheConfig:
             raise ValueError(
                 f"num_gpu_blocks_override must be at least 2, got {self.num_gpu_blocks_override}."
             )
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the KV cache stores."""
+        return model_dtype if self.cache_dtype == "auto" else torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -308,6 +331,10 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeConfig | None = None
 
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache per token, in the dtype the cache stores."""
+        return self.model.kv_bytes_per_token(self.cache.kv_dtype(self.model.dtype))
+
     def __post_init__(self) -> None:
         if self.speculative is not None and self.scheduler.async_scheduling:
             raise ValueError(
@@ -330,6 +357,7 @@ class EngineConfig:
         gpu_memory_utilization: float = 0.9,
         kv_cache_memory_bytes: int | None = None,
         num_gpu_blocks_override: int | None = None,
+        kv_cache_dtype: str = "auto",
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
         max_num_queued_reqs: int | None = None,
@@ -398,6 +426,7 @@ class EngineConfig:
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             num_gpu_blocks_override=num_gpu_blocks_override,
+            cache_dtype=kv_cache_dtype,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs,

@@ -138,7 +138,7 @@ class ModelRunner:
         """KV blocks from the memory budget, sized as vLLM does; fails if one max-length
         request cannot fit."""
         mc, cc, sc = self.config.model, self.config.cache, self.config.scheduler
-        bytes_per_block = mc.kv_bytes_per_token() * self.block_size
+        bytes_per_block = self.config.kv_bytes_per_token() * self.block_size
         blocks_per_seq = cdiv(mc.max_model_len, self.block_size)
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
@@ -171,7 +171,11 @@ class ModelRunner:
             )
         num_tokens = usable * self.block_size
         logger.info(
-            "KV cache size: %d tokens (%d blocks of %d)", num_tokens, usable, self.block_size
+            "KV cache size: %d tokens (%d blocks of %d, %s)",
+            num_tokens,
+            usable,
+            self.block_size,
+            str(cc.kv_dtype(mc.dtype)).removeprefix("torch."),
         )
         logger.info(
             "Maximum concurrency for %d tokens per request: %.2fx",
@@ -226,7 +230,8 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         mc = self.config.model
         shape = (num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        dtype = self.config.cache.kv_dtype(self.dtype)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
 
     def init_cuda_graphs(self) -> None:
         mc, sc = self.config.model, self.config.scheduler

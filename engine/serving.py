@@ -80,6 +80,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="KV cache size in bytes (on CPU; None: sized automatically)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="KV cache storage: auto (the model's dtype) or fp8 / fp8_e4m3 (FP8 e4m3, scale "
+        "1.0, as vLLM without calibrated scales: twice the tokens in the same memory); "
+        "prefills and decodes that exchange KV must use the same",
+    )
+    parser.add_argument(
         "--num-gpu-blocks-override",
         type=int,
         default=None,
@@ -204,6 +211,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_dtype=args.kv_cache_dtype,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -280,7 +288,7 @@ class KVPublishing:
         self.role, self.instance_id, self.model = role, instance_id, model
         self.epoch = new_epoch()
         self.block_size = core.config.cache.block_size
-        self.kv_bytes_per_block = core.config.model.kv_bytes_per_token() * self.block_size
+        self.kv_bytes_per_block = core.config.kv_bytes_per_token() * self.block_size
         self.max_num_batched_tokens = core.config.scheduler.max_num_batched_tokens
         self.source = KVEventSource(core, measure_prefill="busy" if role == "prefill" else "mixed")
         engine.hooks.append(self.source.poll)

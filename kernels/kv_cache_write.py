@@ -3,8 +3,9 @@
 slot_mapping[t] = block_id * block_size + offset, filled by the model runner; a negative slot
 skips the token (padding rows of a CUDA-graph batch). One program per token copies its
 [Hkv, D] K and V rows (already in the [block_size, Hkv, D] tile's layout) into the layer view
-of the one model-wide cache, casting to the cache dtype. Runs before the attention kernels,
-which then read new and cached tokens alike through the block table.
+of the one model-wide cache, casting to the cache dtype (an FP8 cache, scale 1.0, saturates at
+its largest finite value, as `engine.attention.to_cache_dtype` does). Runs before the attention
+kernels, which then read new and cached tokens alike through the block table.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.utils import check_kv_layer
+from kernels.utils import check_kv_layer, fp8_max
 
 
 @triton.jit
@@ -38,12 +39,20 @@ def slot_rows(
 
 
 @triton.jit
+def saturate(x, FP8_MAX: tl.constexpr):
+    """x clamped to an FP8 cache's finite range before the cast (FP8_MAX 0: unchanged)."""
+    if FP8_MAX > 0:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -FP8_MAX), FP8_MAX)
+    return x
+
+
+@triton.jit
 def _kernel(
     k_ptr, v_ptr, kv_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kv_blk, stride_kv_kv, stride_kv_tok, stride_kv_h,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     offs_h = tl.arange(0, BLOCK_H)
@@ -54,8 +63,8 @@ def _kernel(
     )  # fmt: skip
     k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_kv_kv, v.to(kv_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, saturate(k, FP8_MAX).to(kv_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_kv_kv, saturate(v, FP8_MAX).to(kv_ptr.dtype.element_ty), mask=mask)
 
 
 def kv_cache_write(
@@ -77,5 +86,5 @@ def kv_cache_write(
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_layer.shape[2],
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        FP8_MAX=fp8_max(kv_layer), num_warps=4,
     )  # fmt: skip

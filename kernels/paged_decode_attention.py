@@ -99,7 +99,7 @@ def _kernel(
             kv_head_base + tok_off[None, :] + offs_d[:, None],
             mask=mask_d[:, None] & mask_n[None, :],
             other=0.0,
-        )  # [BLOCK_D, BLOCK_N]
+        ).to(q.dtype)  # [BLOCK_D, BLOCK_N]; an FP8 cache (scale 1.0) read as q.dtype
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -110,7 +110,7 @@ def _kernel(
             kv_head_base + stride_kv_kv + tok_off[:, None] + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
+        ).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -223,7 +223,7 @@ def paged_decode_attention(
     _, _, block_size, num_kv_heads, kv_head_dim = kv_layer.shape
     assert kv_head_dim == head_dim and q.stride(2) == 1, "q: [S, Hq, D], D contiguous"
     assert num_q_heads % num_kv_heads == 0, "GQA needs Hq % Hkv == 0"
-    assert q.dtype == kv_layer.dtype, "q and the KV cache must share a dtype"
+    assert kv_layer.dtype in (q.dtype, torch.float8_e4m3fn), "KV cache: q's dtype or FP8 e4m3"
     assert block_tables.dtype == torch.int32 and block_tables.shape[0] == num_seqs
     assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
     assert seq_lens.dtype == torch.int32 and seq_lens.shape == (num_seqs,)

@@ -52,7 +52,7 @@ def _attn_tiles(
             kv_head_base + tok_off[None, :] + offs_d[:, None],
             mask=mask_d[:, None] & mask_n[None, :],
             other=0.0,
-        )
+        ).to(q.dtype)  # an FP8 cache (scale 1.0) is read as the queries' dtype
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         if CAUSAL:
             keep = (tok[None, :] <= q_pos[:, None]) & mask_n[None, :]
@@ -65,7 +65,7 @@ def _attn_tiles(
             kv_head_base + stride_kv_kv + tok_off[:, None] + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
-        )
+        ).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -146,7 +146,7 @@ def prefill_attention(
     num_seqs = seq_lens.shape[0]
     assert kv_head_dim == head_dim and q.stride(2) == 1, "q: [T, Hq, D], D contiguous"
     assert num_q_heads % num_kv_heads == 0, "GQA needs Hq % Hkv == 0"
-    assert q.dtype == kv_layer.dtype, "q and the KV cache must share a dtype"
+    assert kv_layer.dtype in (q.dtype, torch.float8_e4m3fn), "KV cache: q's dtype or FP8 e4m3"
     assert block_tables.dtype == torch.int32 and block_tables.shape[0] == num_seqs
     assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
     assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()

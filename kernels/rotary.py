@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_cache_write import slot_rows
-from kernels.utils import check_kv_layer
+from kernels.kv_cache_write import saturate, slot_rows
+from kernels.utils import check_kv_layer, fp8_max
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def _kernel(
     stride_kv_blk, stride_kv_kv, stride_kv_tok, stride_kv_h,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t)
@@ -91,13 +91,13 @@ def _kernel(
             stride_kv_blk, stride_kv_tok, stride_kv_h, BLOCK_SIZE,
         )  # fmt: skip
         dt = kv_ptr.dtype.element_ty
-        tl.store(dst, k1.to(dt), mask=mask)
-        tl.store(dst + HALF, k2.to(dt), mask=mask)
+        tl.store(dst, saturate(k1, FP8_MAX).to(dt), mask=mask)
+        tl.store(dst + HALF, saturate(k2, FP8_MAX).to(dt), mask=mask)
         src = v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
         v1 = tl.load(src, mask=mask)
         v2 = tl.load(src + HALF, mask=mask)
-        tl.store(dst + stride_kv_kv, v1.to(dt), mask=mask)
-        tl.store(dst + stride_kv_kv + HALF, v2.to(dt), mask=mask)
+        tl.store(dst + stride_kv_kv, saturate(v1, FP8_MAX).to(dt), mask=mask)
+        tl.store(dst + stride_kv_kv + HALF, saturate(v2, FP8_MAX).to(dt), mask=mask)
 
 
 def rotary_embedding(
@@ -155,6 +155,7 @@ def rotary_embedding(
         HALF=half, BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, WRITE_KV=write_kv,
-        BLOCK_SIZE=kv_layer.shape[2], num_warps=4,
+        BLOCK_SIZE=kv_layer.shape[2], FP8_MAX=fp8_max(kv_layer) if write_kv else 0.0,
+        num_warps=4,
     )  # fmt: skip
     return q, k

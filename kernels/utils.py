@@ -73,3 +73,8 @@ def check_kv_layer(kv_layer: torch.Tensor) -> None:
     assert kv_layer.stride(4) == 1, "head_dim must be contiguous"
     assert kv_layer.stride(3) == head_dim, "[block_size, Hkv, D] must be contiguous"
     assert kv_layer.stride(2) == num_kv_heads * head_dim, "[block_size, Hkv, D] must be contiguous"
+
+
+def fp8_max(kv_layer: torch.Tensor) -> float:
+    """The FP8 cache's saturation bound for a kernel's `FP8_MAX` (0.0: not an FP8 cache)."""
+    return torch.finfo(kv_layer.dtype).max if kv_layer.dtype == torch.float8_e4m3fn else 0.0

@@ -145,6 +145,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer, Draining):
             )
         if any(b <= 0 for b in t.block_ids):
             raise ValueError("target.block_ids must be positive (block 0 is the null block)")
+        if t.block_bytes != self.sender.block_bytes:
+            raise ValueError(
+                f"the decode's KV blocks are {t.block_bytes} bytes, this prefill's "
+                f"{self.sender.block_bytes}: prefill and decode must serve the same model with "
+                "the same --block-size and --kv-cache-dtype"
+            )
         req = Request(
             f"{request.request_id}/{request.transfer_id}",
             ids,

@@ -123,18 +123,20 @@ class Timings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., prefill_instance: _Optional[str] = ..., remote_setup_s: _Optional[float] = ..., remote_rpc_s: _Optional[float] = ..., remote_compute_s: _Optional[float] = ..., remote_server_s: _Optional[float] = ..., kv_wait_s: _Optional[float] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("agent_name", "agent_metadata", "block_ids", "first_block", "transfer_token")
+    __slots__ = ("agent_name", "agent_metadata", "block_ids", "first_block", "transfer_token", "block_bytes")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     agent_metadata: bytes
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     first_block: int
     transfer_token: str
-    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ..., transfer_token: _Optional[str] = ...) -> None: ...
+    block_bytes: int
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ..., transfer_token: _Optional[str] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message")

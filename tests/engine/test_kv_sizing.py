@@ -27,7 +27,7 @@ def _runner(path, device: str, available_bytes: int, **kwargs) -> SimpleNamespac
 
 
 def _bytes_per_block(runner) -> int:
-    return runner.config.model.kv_bytes_per_token() * runner.block_size
+    return runner.config.kv_bytes_per_token() * runner.block_size
 
 
 def test_gpu_budget_becomes_blocks_beyond_max_num_seqs(tiny_qwen3_path):

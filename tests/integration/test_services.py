@@ -129,8 +129,14 @@ def test_bad_input_is_invalid_argument(services):
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await collect(stub, req)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, req
+        load = await pstub.GetLoad(common_pb2.LoadRequest())
         target = common_pb2.KVTarget(
-            agent_name="d", agent_metadata=b"junk", block_ids=[1], first_block=0, transfer_token="t"
+            agent_name="d",
+            agent_metadata=b"junk",
+            block_ids=[1],
+            first_block=0,
+            transfer_token="t",
+            block_bytes=load.kv_bytes_per_block,  # past this check: the metadata is the fault
         )
         base = dict(
             request_id="y",
@@ -165,6 +171,14 @@ def test_bad_input_is_invalid_argument(services):
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await pstub.Prefill(req, timeout=10)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, req
+        # A decode whose KV blocks have another layout (here: an FP8 cache's half-size blocks).
+        half = common_pb2.KVTarget()
+        half.CopyFrom(target)
+        half.block_bytes = load.kv_bytes_per_block // 2
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await pstub.Prefill(prefill_pb2.PrefillRequest(**{**base, "target": half}), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "--kv-cache-dtype" in e.value.details()
         # Both still serve.
         tokens, final, _ = await collect(
             stub, generate_request("z", [4, 5, 6], GREEDY, prefills[:1])

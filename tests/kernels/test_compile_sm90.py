@@ -34,9 +34,11 @@ def compile_all() -> None:
     from kernels import paged_decode_attention as decode
 
     bf, ptrs = "*bf16", {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "qk_scale": "fp32"}
-    for dt, prec in (("*bf16", "tf32"), ("*fp32", "ieee")):
+    fp8 = "*fp8e4nv"  # --kv-cache-dtype fp8: bf16 queries over an FP8 e4m3 cache
+    for dt, kv, prec in (("*bf16", "*bf16", "tf32"), ("*fp32", "*fp32", "ieee"),
+                         ("*bf16", fp8, "tf32")):  # fmt: skip
         for split in (False, True):
-            types = dict(ptrs, q_ptr=dt, kv_ptr=dt, out_ptr=dt, m_ptr="*fp32", l_ptr="*fp32",
+            types = dict(ptrs, q_ptr=dt, kv_ptr=kv, out_ptr=dt, m_ptr="*fp32", l_ptr="*fp32",
                          acc_ptr="*fp32")  # fmt: skip
             # The wrapper's defaults: 64-token tiles when split, 128 x 3 stages unsplit.
             block_n, stages = (decode.SPLIT_BLOCK_N, 2) if split else (decode.SINGLE_BLOCK_N, 3)
@@ -47,24 +49,28 @@ def compile_all() -> None:
     types = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr=bf, seq_lens_ptr="*i32")
     cx = dict(HEAD_DIM=128, BLOCK_N=64, BLOCK_P=64, BLOCK_D=128)
     _compile(decode._reduce_kernel, types, cx)
-    types = dict(ptrs, q_ptr=bf, kv_ptr=bf, out_ptr=bf, query_start_loc_ptr="*i32")
-    for cfg in prefill_attention._configs():
-        cx = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_D=128, DOT_PRECISION="tf32",
-                  **cfg.kwargs)  # fmt: skip
-        shared = _compile(prefill_attention._kernel, types, cx, cfg.num_warps, cfg.num_stages)
-        assert shared <= H200_SHARED_BYTES, f"prefill {cfg} needs {shared} B of shared memory"
-    _compile(kv_cache_write._kernel, dict(k_ptr=bf, v_ptr=bf, kv_ptr=bf, slot_mapping_ptr="*i64"),
-             dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128))  # fmt: skip
+    for kv in (bf, fp8):
+        types = dict(ptrs, q_ptr=bf, kv_ptr=kv, out_ptr=bf, query_start_loc_ptr="*i32")
+        for cfg in prefill_attention._configs():
+            cx = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_D=128, DOT_PRECISION="tf32",
+                      **cfg.kwargs)  # fmt: skip
+            shared = _compile(prefill_attention._kernel, types, cx, cfg.num_warps, cfg.num_stages)
+            assert shared <= H200_SHARED_BYTES, f"prefill {cfg} needs {shared} B of shared memory"
+    for kv, fp8_max in ((bf, 0.0), (fp8, 448.0)):
+        _compile(kv_cache_write._kernel,
+                 dict(k_ptr=bf, v_ptr=bf, kv_ptr=kv, slot_mapping_ptr="*i64"),
+                 dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128,
+                      FP8_MAX=fp8_max))  # fmt: skip
     for has_residual in (False, True):
         types = dict(x_ptr=bf, residual_ptr=bf, weight_ptr=bf, out_ptr=bf, eps="fp32")
         _compile(rms_norm._kernel, types, dict(HAS_RESIDUAL=has_residual, BLOCK=4096), 8)
     for has_norm in (False, True):
-        for write_kv in (False, True):
+        for write_kv, kv, fp8_max in ((False, bf, 0.0), (True, bf, 0.0), (True, fp8, 448.0)):
             types = dict(positions_ptr="*i64", q_ptr=bf, k_ptr=bf, cache_ptr=bf, q_norm_ptr=bf,
-                         k_norm_ptr=bf, eps="fp32", v_ptr=bf, kv_ptr=bf,
+                         k_norm_ptr=bf, eps="fp32", v_ptr=bf, kv_ptr=kv,
                          slot_mapping_ptr="*i64")  # fmt: skip
             cx = dict(HALF=64, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=64, HAS_NORM=has_norm,
-                      WRITE_KV=write_kv, BLOCK_SIZE=16)  # fmt: skip
+                      WRITE_KV=write_kv, BLOCK_SIZE=16, FP8_MAX=fp8_max)  # fmt: skip
             _compile(rotary._kernel, types, cx)
     _compile(activation._kernel, dict(x_ptr=bf, out_ptr=bf), dict(BLOCK=1024))
 
