@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import time
 
 PARENT_PID_ENV = "TANDEM_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
@@ -37,3 +38,33 @@ def die_with_parent() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != int(parent):  # it died before the signal was armed
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+class StopFlag:
+    """A stop request that signal handlers set (`tandem serve`, `tandem gateway --workers`).
+
+    Not a threading.Event: Python runs signal handlers in the main thread between bytecodes, so a
+    second SIGTERM can arrive while the first handler is inside Event.set holding its lock; the
+    second Event.set then waits for that lock forever. `tandem serve` hung so, signalled by both
+    `timeout` and pkill. Setting this flag is one store; `wait` polls it."""
+
+    POLL_S = 0.05
+
+    def __init__(self) -> None:
+        self._is_set = False
+
+    def set(self) -> None:
+        self._is_set = True
+
+    def is_set(self) -> bool:
+        return self._is_set
+
+    def wait(self, timeout_s: float) -> bool:
+        """True once set; False after `timeout_s` without."""
+        deadline = time.monotonic() + timeout_s
+        while not self._is_set:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(left, self.POLL_S))
+        return True

@@ -37,7 +37,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.lifeline import child_env
+from engine.lifeline import StopFlag, child_env
 from gateway.config import GatewaySettings
 from gateway.worker_metrics import MetricsServer
 
@@ -93,7 +93,7 @@ class WorkerPool:
         assert num_workers >= 2
         self.argv, self.settings, self.num_workers = list(argv), settings, num_workers
         self.workers: list[Worker | None] = [None] * num_workers
-        self.stopping = threading.Event()
+        self.stopping = StopFlag()  # set by signal handlers: not an Event (engine/lifeline.py)
         self._port_socket = reuseport_socket(settings.host, settings.port)  # never listens
         self.host, self.port = self._port_socket.getsockname()[:2]
         self._backoff_s = [INITIAL_BACKOFF_S] * num_workers

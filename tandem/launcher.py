@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.internal_auth import ENV_TOKEN
-from engine.lifeline import child_env
+from engine.lifeline import StopFlag, child_env
 from engine.ports import bind_error
 from engine.registry import REDIS_URL_ENV, resolve_redis_url
 from gateway.reasoning import REASONING_PARSERS
@@ -88,7 +88,7 @@ class Cluster:
         role: str,
         argv: list[str],
         timeout_s: float = 600.0,
-        stopping: threading.Event | None = None,
+        stopping: StopFlag | None = None,
     ) -> Child:
         """Start a child and wait for its READY line (or `stopping`)."""
         child = self.spawn(role, argv)
@@ -262,13 +262,9 @@ def serve_main(argv: list[str] | None = None) -> int:
     os.environ.setdefault(ENV_TOKEN, secrets.token_hex(32))
     cluster = Cluster()
     supervisor = Supervisor(cluster)
-    stopping = threading.Event()
-
-    def on_signal(signum, frame) -> None:
-        stopping.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stopping = StopFlag()  # not an Event: see engine/lifeline.py
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: stopping.set())
     try:
         svc = [*engine_args, *([] if args.model in engine_args else [args.model])]
         # With Redis the services register themselves and the gateway discovers them there.

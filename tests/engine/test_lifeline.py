@@ -81,3 +81,50 @@ def test_without_the_variable_nothing_is_armed():
         timeout=60,
     )
     assert out.returncode == 0 and out.stdout.strip() == "armed"
+
+
+# A second SIGTERM that lands while the first one's handler is setting the stop flag: `timeout`
+# and pkill both signalling `tandem serve` did this, and threading.Event.set, re-entered with
+# its lock held, waited for itself forever. The child below makes that moment deterministic:
+# its handler, in the middle of setting the flag (for an Event: holding its lock, as Event.set
+# does), sends the second signal, which Python delivers right there.
+NESTED_SIGNAL = """
+import os, signal, sys, threading
+from engine.lifeline import StopFlag
+flag = threading.Event() if sys.argv[1] == "event" else StopFlag()
+lock = getattr(flag, "_cond", None) or threading.Lock()
+nested = []
+
+def on_signal(signum, frame):
+    if not nested:
+        nested.append(1)
+        with lock:  # what Event.set holds; StopFlag's set holds nothing
+            os.kill(os.getpid(), signal.SIGTERM)
+            sum(range(1000))  # bytecodes: the nested handler runs here
+            flag._flag = True if sys.argv[1] == "event" else flag.set()
+    else:
+        flag.set()
+
+signal.signal(signal.SIGTERM, on_signal)
+os.kill(os.getpid(), signal.SIGTERM)
+print("stopped" if flag.wait(5) else "not stopped", flush=True)
+"""
+
+
+def _nested_signal(kind: str, timeout_s: float) -> subprocess.CompletedProcess | None:
+    try:
+        return subprocess.run(
+            [sys.executable, "-c", NESTED_SIGNAL, kind],
+            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+            capture_output=True, text=True, timeout=timeout_s,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return None  # hung
+
+
+def test_a_signal_inside_the_stop_handler_does_not_hang_it():
+    # The bug, reproduced: Event.set re-entered hangs (a deadlock: no wait is long enough).
+    assert _nested_signal("event", timeout_s=3) is None
+    done = _nested_signal("stopflag", timeout_s=30)
+    assert done is not None and done.returncode == 0, done
+    assert done.stdout.strip() == "stopped"
