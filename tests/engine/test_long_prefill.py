@@ -16,6 +16,7 @@ from engine.request import Request
 from tests.engine.hf_reference import hf_greedy
 
 THRESHOLD = 32
+GREEDY_12 = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def record_schedules(core) -> list[dict[str, int]]:
@@ -64,6 +65,26 @@ def test_a_long_prompt_is_chunked_while_decodes_keep_their_pace(tiny_llama_path)
     assert outputs["long"] == hf_greedy(tiny_llama_path, long, 16)
 
 
+def one_decoding_then(llm, first_len: int, seed: int, extra: dict[str, int] | None = None):
+    """Step a request "first" (`first_len` prompt tokens) through its prefill, so that it
+    decodes, then queue p0..p3 (30, 37, 44, 51 tokens) and `extra` ({id: length}) behind it and
+    step until all are done. Returns (steps, outputs, prompts, first's prompt)."""
+    core = llm.engine
+    rng = random.Random(seed)
+    first = [rng.randrange(3, 2000) for _ in range(first_len)]
+    steps = record_schedules(core)
+    outputs: dict[str, list[int]] = {}
+    core.add_request(Request("first", first, GREEDY_12, llm.eos_token_ids))
+    for o in core.step():  # nothing decodes yet: the whole prompt in one step
+        outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    lengths = {**{f"p{i}": 30 + 7 * i for i in range(4)}, **(extra or {})}
+    prompts = {rid: [rng.randrange(3, 2000) for _ in range(n)] for rid, n in lengths.items()}
+    for rid, prompt in prompts.items():
+        core.add_request(Request(rid, prompt, GREEDY_12, llm.eos_token_ids))
+    step_until_done(core, outputs)
+    return steps, outputs, prompts, first
+
+
 def test_prompts_together_stay_within_the_step_budget_while_decoding(tiny_llama_path):
     budget = 48
     llm = LLM(
@@ -72,20 +93,8 @@ def test_prompts_together_stay_within_the_step_budget_while_decoding(tiny_llama_
         max_prefill_tokens_while_decoding=budget,
         async_scheduling=False,
     )
-    core = llm.engine
-    rng = random.Random(1)
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    first = [rng.randrange(3, 2000) for _ in range(100)]
-    steps = record_schedules(core)
-    outputs: dict[str, list[int]] = {}
-    core.add_request(Request("first", first, greedy, llm.eos_token_ids))
-    for o in core.step():  # nothing decodes yet: the whole prompt in one step
-        outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
-    assert steps == [{"first": 100}]
-    prompts = {f"p{i}": [rng.randrange(3, 2000) for _ in range(30 + 7 * i)] for i in range(4)}
-    for rid, prompt in prompts.items():
-        core.add_request(Request(rid, prompt, greedy, llm.eos_token_ids))
-    step_until_done(core, outputs)
+    steps, outputs, prompts, first = one_decoding_then(llm, 100, seed=1)
+    assert steps[0] == {"first": 100}
     decoding_steps = [s for s in steps if s.get("first") == 1]
     assert len(decoding_steps) == 11  # "first" got a token in every step until it finished
     prompt_tokens = [sum(n for rid, n in s.items() if rid != "first" and n > 1) for s in steps]
@@ -112,20 +121,7 @@ def test_the_budget_while_decoding_follows_the_backlog(tiny_llama_path):
         prefill_backlog_steps=backlog_steps,
         async_scheduling=False,
     )
-    core = llm.engine
-    rng = random.Random(2)
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    first = [rng.randrange(3, 2000) for _ in range(60)]
-    steps = record_schedules(core)
-    outputs: dict[str, list[int]] = {}
-    core.add_request(Request("first", first, greedy, llm.eos_token_ids))
-    for o in core.step():
-        outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
-    prompts = {f"p{i}": [rng.randrange(3, 2000) for _ in range(30 + 7 * i)] for i in range(4)}
-    prompts["big"] = [rng.randrange(3, 2000) for _ in range(300)]
-    for rid, prompt in prompts.items():
-        core.add_request(Request(rid, prompt, greedy, llm.eos_token_ids))
-    step_until_done(core, outputs)
+    steps, outputs, prompts, first = one_decoding_then(llm, 60, seed=2, extra={"big": 300})
     # 462 prompt tokens wait. Each step takes half of what is left (never under the fixed cap
     # of 48), within the step's 100 tokens less those its decodes take.
     left = sum(map(len, prompts.values()))
