@@ -11,7 +11,8 @@ engine with a 16/32-bit KV cache and with an FP8 e4m3 one (scale 1.0).
   token by token (share equal, and how many prompts match in full).
 
     python -m bench.fp8_kv_accuracy [--device cuda --dtype bfloat16]
-Writes `bench/results/fp8_kv_accuracy-<date>.json` (`-<device>` in the name off CPU).
+Writes `bench/results/fp8_kv_accuracy[_<device>][_<dtype>]-<date>.json` (device off CPU, dtype
+when given).
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ def main() -> None:
         "load_average_1m": os.getloadavg()[0],
     }
     suffix = "" if args.device == "cpu" else f"_{args.device.split(':')[0]}"
+    suffix += "" if args.dtype == "auto" else f"_{args.dtype}"
     write_result(f"fp8_kv_accuracy{suffix}", config, results, Path(args.out_dir))
     rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in results.items()]
     print_table(rows, ("figure", "value"))
