@@ -18,6 +18,7 @@ when given).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -77,6 +78,7 @@ def compare(ref: list[torch.Tensor], fp8: list[torch.Tensor]) -> dict:
 
 
 def make_llm(args, kv_cache_dtype: str) -> LLM:
+    on_gpu = args.device != "cpu"
     return LLM(
         SMOLLM2_REPO_ID,
         device=args.device,
@@ -84,6 +86,8 @@ def make_llm(args, kv_cache_dtype: str) -> LLM:
         max_model_len=args.window + 8,
         kv_cache_dtype=kv_cache_dtype,
         enable_prefix_caching=False,
+        # GPU: a fixed cache, not a memory fraction (which would count the first engine's).
+        kv_cache_memory_bytes=(1 << 30) if on_gpu else None,
     )
 
 
@@ -106,6 +110,9 @@ def main() -> None:
     ref_kv_dtype = str(ref_llm.engine.runner.kv_cache.dtype)
     ref_blocks = ref_llm.engine.runner.kv_cache.shape[0]
     del ref_llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     fp8_llm = make_llm(args, "fp8")
     assert fp8_llm.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
     fp8_logits = prompt_logits(fp8_llm, windows)
