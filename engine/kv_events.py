@@ -144,10 +144,7 @@ class KVEventSource:
     def _load(self) -> LoadSnapshot:
         core = self.core
         stats = core.stats()
-        pending = sum(
-            max(r.num_prompt_tokens - r.num_computed_tokens, 0)
-            for r in core.scheduler.requests.values()
-        )
+        pending = sum(r.num_prompt_tokens_left for r in core.scheduler.requests.values())
         return LoadSnapshot(
             num_waiting=stats.num_waiting,
             num_running=stats.num_running,

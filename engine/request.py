@@ -99,6 +99,11 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def num_prompt_tokens_left(self) -> int:
+        """Prompt tokens still to compute (0 once the prompt is in the KV cache)."""
+        return max(len(self.prompt_token_ids) - self.num_computed_tokens, 0)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

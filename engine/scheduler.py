@@ -81,7 +81,7 @@ class WaitingQueue:
     def num_prompt_tokens_left(self) -> int:
         """Prompt tokens the waiting requests have still to compute (before prefix hits)."""
         requests = self._fifo if self.policy == "fcfs" else (e[-1] for e in self._heap)
-        return sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in requests)
+        return sum(r.num_prompt_tokens_left for r in requests)
 
     def add(self, request: Request, front: bool = False) -> None:
         if self.policy == "fcfs":
@@ -254,13 +254,14 @@ class Scheduler:
 
     def _prefill_budget_while_decoding(self) -> int:
         """`max_prefill_tokens_while_decoding`, raised to 1/`prefill_backlog_steps` of the
-        prompt tokens waiting (admitted or not), up to the step's whole budget: a backlog
-        clears in about that many steps instead of at a fixed rate the arrivals outrun."""
+        prompt tokens waiting (admitted or not; before prefix hits), up to the step's whole
+        budget: a backlog clears in about that many steps instead of at a fixed rate the
+        arrivals outrun."""
         config = self.config
         if not config.prefill_backlog_steps:
             return config.max_prefill_tokens_while_decoding
         backlog = self.waiting.num_prompt_tokens_left() + sum(
-            max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in self.running
+            r.num_prompt_tokens_left for r in self.running
         )
         share = -(-backlog // config.prefill_backlog_steps)
         return max(
@@ -311,8 +312,7 @@ class Scheduler:
         self.num_steps += 1
         for s in out.scheduled:
             r = s.request
-            num_prompt_left = max(r.num_prompt_tokens - r.num_computed_tokens, 0)
-            self.num_prompt_tokens_computed += min(s.num_new_tokens, num_prompt_left)
+            self.num_prompt_tokens_computed += min(s.num_new_tokens, r.num_prompt_tokens_left)
             r.num_computed_tokens += s.num_new_tokens
             if s.draft_token_ids:
                 assert num_accepted is not None, "a verify step comes with its accepted counts"
