@@ -95,58 +95,57 @@ class DecodeServicer(decode_mux.DecodeServicer, Draining):
 
     # ---- Generate ------------------------------------------------------------------------
     async def Generate(self, request, context):
+        # In the handler's own body, not a wrapping generator: one hop less per token chunk.
         async with self.admit(context, "decode"):
-            async for response in self._generate(request, context):
-                yield response
-
-    async def _generate(self, request, context):
-        try:
-            req = self._parse(request)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        self.counters["num_requests_total"] += 1
-        timings = common_pb2.Timings()
-        start = time.monotonic()
-        stream = None
-        num_out = 0
-        try:
-            if request.prefill:
-                stream = await self.remote.run(req, request, timings)
-            if stream is None:
-                timings.local_prefill = True
-                self.counters["num_local_prefills"] += 1
-                stream = self.engine.generate(req)
-            last = start
-            async for out in stream:
-                now = time.monotonic()
+            try:
+                req = self._parse(request)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            self.counters["num_requests_total"] += 1
+            timings = common_pb2.Timings()
+            start = time.monotonic()
+            stream = None
+            num_out = 0
+            try:
+                if request.prefill:
+                    stream = await self.remote.run(req, request, timings)
+                if stream is None:
+                    timings.local_prefill = True
+                    self.counters["num_local_prefills"] += 1
+                    stream = self.engine.generate(req)
+                last = start
+                async for out in stream:
+                    now = time.monotonic()
+                    if num_out == 0:
+                        timings.prefill_s = now - start
+                        TIME_TO_FIRST_TOKEN.observe(now - start)
+                    elif out.new_token_ids:
+                        INTER_TOKEN_LATENCY.observe(now - last)
+                    last = now
+                    num_out += len(out.new_token_ids)
+                    chunk = decode_pb2.TokenChunk(
+                        token_ids=out.new_token_ids,
+                        logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs],
+                    )
+                    if out.prompt_logprobs is not None:  # the first output, when requested
+                        assert out.prompt_logprobs[0] is None, "nothing predicts prompt token 0"
+                        chunk.prompt_logprobs.extend(
+                            map(logprobs_to_proto, out.prompt_logprobs[1:])
+                        )
+                    yield decode_pb2.GenerateResponse(tokens=chunk)
+                    if out.finish_reason is not None:
+                        yield self._final(req, out, num_out, timings)
+                        return
+            except SchedulerFullError as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except EngineDeadError as e:
                 if num_out == 0:
-                    timings.prefill_s = now - start
-                    TIME_TO_FIRST_TOKEN.observe(now - start)
-                elif out.new_token_ids:
-                    INTER_TOKEN_LATENCY.observe(now - last)
-                last = now
-                num_out += len(out.new_token_ids)
-                chunk = decode_pb2.TokenChunk(
-                    token_ids=out.new_token_ids,
-                    logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs],
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                yield decode_pb2.GenerateResponse(
+                    error=common_pb2.Error(code=common_pb2.Error.DECODE_FAILED, message=str(e))
                 )
-                if out.prompt_logprobs is not None:  # the first output, when requested
-                    assert out.prompt_logprobs[0] is None, "nothing predicts prompt token 0"
-                    chunk.prompt_logprobs.extend(map(logprobs_to_proto, out.prompt_logprobs[1:]))
-                yield decode_pb2.GenerateResponse(tokens=chunk)
-                if out.finish_reason is not None:
-                    yield self._final(req, out, num_out, timings)
-                    return
-        except SchedulerFullError as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except EngineDeadError as e:
-            if num_out == 0:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            yield decode_pb2.GenerateResponse(
-                error=common_pb2.Error(code=common_pb2.Error.DECODE_FAILED, message=str(e))
-            )
 
     def _final(self, req: Request, out, num_out: int, timings) -> decode_pb2.GenerateResponse:
         final = decode_pb2.Final(
@@ -201,8 +200,7 @@ class DecodeServicer(decode_mux.DecodeServicer, Draining):
         return {**self.counters, **self.remote.stats, **rejected, **served}
 
     def start_draining(self) -> None:
-        super().start_draining()
-        self.close_mux_streams()
+        self.close_mux_streams()  # sets `is_draining`, which `admit` reads too
         if self.prefill is not None:
             self.prefill.start_draining()
 

@@ -64,11 +64,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     num_rejected_mux_messages = 0
     _mux_streams: set | None = None  # live streams (subclasses need not call __init__)
-    is_mux_draining = False
+    is_draining = False
 
     def close_mux_streams(self) -> None:
         """Drain: refuse new requests on every stream and end each once its requests have."""
-        self.is_mux_draining = True
+        self.is_draining = True
         for stream in list(self._mux_streams or ()):
             stream.wake()
 
@@ -111,7 +111,7 @@ def _check_start(
         why = _end(grpc.StatusCode.INVALID_ARGUMENT, "GenerateMux request id must be > 0")
     elif rid in in_flight:
         why = _end(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid} is already in flight")
-    elif servicer.is_mux_draining:
+    elif servicer.is_draining:
         return _end(grpc.StatusCode.UNAVAILABLE, "the decode is draining")
     elif len(in_flight) >= MAX_REQUESTS_PER_STREAM:
         why = _end(
@@ -206,7 +206,7 @@ class _AsyncMux:
                     batch, self.batch = self.batch, decode_pb2.MuxResponse()
                     yield batch
                     continue
-                is_open = self.is_reading and not self.servicer.is_mux_draining
+                is_open = self.is_reading and not self.servicer.is_draining
                 if not is_open and not self.tasks:
                     return
                 self.is_ready.clear()
@@ -318,7 +318,7 @@ class _ThreadMux:
             if batch.items:
                 yield batch
             with self.lock:
-                is_open = self.is_reading and not self.servicer.is_mux_draining
+                is_open = self.is_reading and not self.servicer.is_draining
                 if not is_open and not self.contexts and self.out.empty():
                     return
 
