@@ -94,7 +94,7 @@ class ModelConfig:
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import asyncio
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from tests.integration.services import (
     ENGINE_FLAGS,
     collect,
@@ -43,7 +44,7 @@ def test_fp8_blocks_cross_processes_and_equal_offline(services, tiny_qwen3_path)
     offline = LLM(
         str(tiny_qwen3_path), max_model_len=256, num_gpu_blocks_override=64, kv_cache_dtype="fp8"
     )
-    reference = LLM(str(tiny_qwen3_path), max_model_len=256, num_gpu_blocks_override=64)
+    fp32 = EngineConfig.from_args(str(tiny_qwen3_path), max_model_len=256)  # the model's dtype
     prompts = [list(range(100, 150)) + [7, 8, 9], list(range(3, 40))]
 
     async def run():
@@ -61,7 +62,7 @@ def test_fp8_blocks_cross_processes_and_equal_offline(services, tiny_qwen3_path)
         assert sent == after.kv_transfer_bytes - before.kv_transfer_bytes
         # One byte per value: a quarter of what the same blocks take in fp32.
         blocks = sum(-(-len(p) // 16) for p in prompts)
-        fp32_block = reference.config.kv_bytes_per_token() * 16
+        fp32_block = fp32.kv_bytes_per_token() * 16
         assert sent == blocks * fp32_block // 4
         assert after.kv_bytes_per_block == fp32_block // 4
         await wait_idle(stub)
