@@ -56,6 +56,11 @@ class StopFlag:
     def set(self) -> None:
         self._is_set = True
 
+    def set_on_signals(self) -> None:
+        """Set on SIGTERM and SIGINT (Ctrl-C) from now on."""
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: self.set())
+
     def is_set(self) -> bool:
         return self._is_set
 

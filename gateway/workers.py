@@ -28,7 +28,6 @@ Metrics: workers serve theirs on loopback ports of their own; the parent serves 
 from __future__ import annotations
 
 import logging
-import signal
 import socket
 import subprocess
 import sys
@@ -127,8 +126,7 @@ class WorkerPool:
 
     def run(self) -> int:
         """Start the workers, print READY, supervise until SIGTERM/SIGINT; the exit code."""
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: self.stopping.set())
+        self.stopping.set_on_signals()
         try:
             for index in range(self.num_workers):
                 self.spawn(index)

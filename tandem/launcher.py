@@ -15,7 +15,6 @@ import collections
 import logging
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -263,8 +262,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     cluster = Cluster()
     supervisor = Supervisor(cluster)
     stopping = StopFlag()  # not an Event: see engine/lifeline.py
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+    stopping.set_on_signals()
     try:
         svc = [*engine_args, *([] if args.model in engine_args else [args.model])]
         # With Redis the services register themselves and the gateway discovers them there.
