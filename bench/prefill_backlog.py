@@ -68,7 +68,7 @@ def closed_loop(llm: LLM, concurrency: int, num_requests: int, args, seed: int) 
     last: dict[str, float] = {}
     ttft, gaps = [], []
     decodes_per_step: list[int] = []
-    num_mixed_steps = 0
+    num_chunked_steps = 0
     num_started = num_done = num_tokens = 0
     start = None
 
@@ -90,7 +90,7 @@ def closed_loop(llm: LLM, concurrency: int, num_requests: int, args, seed: int) 
             running = core.scheduler.running
             num_decodes = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in running)
             decodes_per_step.append(num_decodes)
-            num_mixed_steps += num_decodes < len(running)
+            num_chunked_steps += num_decodes < len(running)
         for o in outputs:
             if not o.new_token_ids:
                 continue
@@ -122,7 +122,7 @@ def closed_loop(llm: LLM, concurrency: int, num_requests: int, args, seed: int) 
         "itl_p99_over_p50": percentile(gaps, 99) / percentile(gaps, 50),
         "num_steps": len(decodes_per_step),
         # Steps after which some running request was still mid-prompt (chunked).
-        "chunked_step_fraction": num_mixed_steps / len(decodes_per_step),
+        "chunked_step_fraction": num_chunked_steps / len(decodes_per_step),
     }
 
 
