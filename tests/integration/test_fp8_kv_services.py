@@ -49,6 +49,12 @@ def test_fp8_blocks_cross_processes_and_equal_offline(services, tiny_qwen3_path)
 
     async def run():
         stub, pstub = decode_stub(decode), prefill_stub(prefills[0])
+        # A first remote prefill may outlast the decode's first wait (2 s, before it has
+        # measured the prefill's rate) on a loaded machine, and the decode then prefills
+        # locally: warm up both first, whatever path this one takes.
+        await collect(stub, generate_request("warm", list(range(200, 230)), GREEDY, prefills[:1]))
+        await wait_idle(stub)
+        await wait_idle(pstub)
         before, p_before = await get_load(stub), await get_load(pstub)
         for i, prompt in enumerate(prompts):
             tokens, final, _ = await collect(
