@@ -36,6 +36,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--interpret", action="store_true", help="TRITON_INTERPRET=1 (CPU)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (smoke check)")
     p.add_argument("--no-sweep", action="store_true", help="skip the decode config sweep")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="decode attention's cache dtype (auto: the queries' dtype)")  # fmt: skip
+    p.add_argument("--decode-only", action="store_true", help="only the decode attention rows")
     p.add_argument("--out", nargs="?", const="", default=None, metavar="DIR",
                    help="write kernels-<date>.json into DIR (default bench/results)")  # fmt: skip
     return p.parse_args()
@@ -66,14 +69,14 @@ def copy_ceiling_gbps(device: torch.device, nbytes: int, time_s) -> float:
     return 2 * nbytes / time_s(lambda: dst.copy_(src)) / 1e9
 
 
-def decode_case(num_seqs, ctx, hq, hkv, d, bs, bound, dtype, device):
+def decode_case(num_seqs, ctx, hq, hkv, d, bs, bound, dtype, device, kv_dtype=None):
     """(run(config) -> None, KV bytes read) for one decode batch; `bound` is the static
     max_seq_len the engine passes (its max_model_len under CUDA graphs)."""
     from kernels.paged_decode_attention import paged_decode_attention
 
     blocks_per_seq = -(-ctx // bs)
     num_blocks = num_seqs * blocks_per_seq + 1
-    cache = torch.randn(num_blocks, 2, 2, bs, hkv, d, device=device).to(dtype)
+    cache = torch.randn(num_blocks, 2, 2, bs, hkv, d, device=device).to(kv_dtype or dtype)
     kv_layer = cache[:, 1]
     tables = (torch.randperm(num_blocks - 1, device=device) + 1).to(torch.int32)
     tables = tables.view(num_seqs, blocks_per_seq).contiguous()
@@ -89,7 +92,7 @@ def decode_case(num_seqs, ctx, hq, hkv, d, bs, bound, dtype, device):
     return run, kv_bytes
 
 
-def bench_decode(tiny, device, dtype, time_s, ceiling, sweep) -> list[dict]:
+def bench_decode(tiny, device, dtype, time_s, ceiling, sweep, kv_dtype=None) -> list[dict]:
     from kernels.paged_decode_attention import DecodeConfig
 
     shapes = [(2, 40, 4, 2, 16, 4, 40)] if tiny else [
@@ -105,24 +108,30 @@ def bench_decode(tiny, device, dtype, time_s, ceiling, sweep) -> list[dict]:
     swept = {0, len(shapes) - 2, len(shapes) - 1}
     rows = []
     for i, (s, ctx, hq, hkv, d, bs, bound) in enumerate(shapes):
-        run, kv_bytes = decode_case(s, ctx, hq, hkv, d, bs, bound, dtype, device)
+        run, kv_bytes = decode_case(s, ctx, hq, hkv, d, bs, bound, dtype, device, kv_dtype)
         name = f"decode S={s} ctx={ctx} {hq}/{hkv}h d={d} bs={bs} bound={bound}"
+        if kv_dtype is not None:
+            name += " kv=fp8"
         print(name, flush=True)
         t = time_s(run)
         rows.append(_row(name, kv_bytes, t, ceiling, config="heuristic", headline=i == 0))
+        if kv_dtype is not None:
+            t = time_s(lambda run=run: run(DecodeConfig(f16_dots=True)))
+            rows.append(_row(name, kv_bytes, t, ceiling, config="heuristic, f16_dots"))
         if sweep and i in swept:
             best = None
-            grid = ((1, 2, 3, 4, 8, 16, 33, 64), (64, 128), (4, 8), (2, 3))
+            f16 = (False, True) if kv_dtype is not None else (False,)
+            grid = ((1, 4, 16), (32, 64, 128), (4, 8), (2, 3), f16)
             if tiny:
-                grid = ((1, 2), (16,), (4,), (1,))
-            for splits, block_n, warps, stages in itertools.product(*grid):
-                cfg = DecodeConfig(block_n, splits, warps, stages)
+                grid = ((1, 2), (16,), (4,), (1,), f16)
+            for splits, block_n, warps, stages, f16_dots in itertools.product(*grid):
+                cfg = DecodeConfig(block_n, splits, warps, stages, f16_dots)
                 t = time_s(lambda cfg=cfg, run=run: run(cfg))
                 if best is None or t < best[0]:
                     best = (t, cfg)
             cfg = best[1]
             desc = f"splits={cfg.num_splits} block_n={cfg.block_n} warps={cfg.num_warps} "
-            desc += f"stages={cfg.num_stages}"
+            desc += f"stages={cfg.num_stages} f16_dots={cfg.f16_dots}"
             rows.append(_row(name + " (best of sweep)", kv_bytes, best[0], ceiling, config=desc))
     return rows
 
@@ -216,9 +225,12 @@ def main() -> None:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16  # no bf16 on CPU here
     time_s = timer(device)
     ceiling = copy_ceiling_gbps(device, (64 << 20) if args.tiny else GiB, time_s)
-    rows = bench_decode(args.tiny, device, dtype, time_s, ceiling, not args.no_sweep)
-    rows += bench_elementwise(args.tiny, device, dtype, time_s, ceiling)
-    prefill = bench_prefill(args.tiny, device, dtype, time_s)
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None
+    rows = bench_decode(args.tiny, device, dtype, time_s, ceiling, not args.no_sweep, kv_dtype)
+    prefill = []
+    if not args.decode_only:
+        rows += bench_elementwise(args.tiny, device, dtype, time_s, ceiling)
+        prefill = bench_prefill(args.tiny, device, dtype, time_s)
 
     print(f"device copy ceiling: {ceiling:,.0f} GB/s (read + write)")
     print_table(
@@ -234,7 +246,8 @@ def main() -> None:
     print(f"headline decode: {headline['pct_of_copy']:.0f}% of copy (target >= 70%)")
     if args.out:
         config = {"device": str(device), "dtype": str(dtype), "tiny": args.tiny,
-                  "interpret": args.interpret}  # fmt: skip
+                  "interpret": args.interpret, "kv_cache_dtype": args.kv_cache_dtype,
+                  "decode_only": args.decode_only}  # fmt: skip
         results = {"copy_ceiling_gbps": ceiling, "bandwidth": rows, "prefill": prefill}
         print("wrote", write_result("kernels", config, results, Path(args.out or RESULTS_DIR)))
 

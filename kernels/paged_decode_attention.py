@@ -43,6 +43,9 @@ class DecodeConfig:
     num_splits: int | None = None  # max partitions per sequence; 1 = single pass
     num_warps: int = 4
     num_stages: int | None = None
+    # FP8 cache: both dots in fp16 rather than q's dtype (None: when q is bf16). Hopper turns
+    # e4m3 into fp16 in one instruction, into bf16 only through more: 0.78x the time measured.
+    f16_dots: bool | None = None
 
 
 @triton.jit
@@ -57,7 +60,7 @@ def _kernel(
     stride_ps, stride_ph,  # partials: m/l [S, Hq, P], acc [S, Hq, P, D] (contiguous)
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -84,6 +87,8 @@ def _kernel(
         mask=mask_h[:, None] & mask_d[None, :],
         other=0.0,
     )
+    if F16_DOTS:  # saturate rather than overflow fp16's range
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     # A finite floor, not -inf: a fully masked row must give exp2(m - m_new) = 1, never NaN.
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -267,6 +272,8 @@ def paged_decode_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         IS_SPLIT=is_split, DOT_PRECISION=dot_precision(q.dtype),
+        F16_DOTS=kv_layer.dtype == torch.float8_e4m3fn
+        and (cfg.f16_dots if cfg.f16_dots is not None else q.dtype == torch.bfloat16),
         num_warps=cfg.num_warps, num_stages=num_stages,
     )  # fmt: skip
     if is_split:
