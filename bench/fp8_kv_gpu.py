@@ -43,7 +43,12 @@ def speed(path: Path, kv_cache_dtype: str, ceil: dict, points: list[tuple[int, i
     }
     step_times(llm, random_prompts(2, 64, 99), 8)  # warm-up
     for batch, ctx in points:
-        _, step = step_times(llm, random_prompts(batch, ctx, batch + ctx), 32)
+        # Decode until every prompt of the batch has been prefilled (8,192 tokens a step) and
+        # then for 32 steps more, so some steps give every request a token.
+        prefill_steps = -(-batch * ctx // 8192)
+        _, step = step_times(llm, random_prompts(batch, ctx, batch + ctx), 32 + 2 * prefill_steps)
+        assert step > 0, f"no step decoded all {batch} requests"
+
         kv_bytes = batch * (ctx + 16) * kv_tok  # the mean context over the measured steps
         floor = (weights + kv_bytes) / (ceil["copy_GBps"] * 1e9)
         res[f"b{batch}_ctx{ctx}"] = {
