@@ -68,6 +68,7 @@ def closed_loop(llm: LLM, concurrency: int, num_requests: int, args, seed: int) 
     last: dict[str, float] = {}
     ttft, gaps = [], []
     decodes_per_step: list[int] = []
+    prefill_per_step: list[int] = []  # prompt tokens computed in each measured step
     num_chunked_steps = 0
     num_started = num_done = num_tokens = 0
     start = None
@@ -82,7 +83,13 @@ def closed_loop(llm: LLM, concurrency: int, num_requests: int, args, seed: int) 
 
     for _ in range(concurrency):
         add()
+
+    def prompt_tokens_left() -> int:
+        sched = core.scheduler
+        return sum(r.num_prompt_tokens_left for r in (*sched.running, *sched.waiting))
+
     while num_done < num_requests:
+        left = prompt_tokens_left()
         outputs = core.step()
         now = time.perf_counter()
         measuring = start is not None
@@ -90,6 +97,7 @@ def closed_loop(llm: LLM, concurrency: int, num_requests: int, args, seed: int) 
             running = core.scheduler.running
             num_decodes = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in running)
             decodes_per_step.append(num_decodes)
+            prefill_per_step.append(left - prompt_tokens_left())
             num_chunked_steps += num_decodes < len(running)
         for o in outputs:
             if not o.new_token_ids:
@@ -121,6 +129,8 @@ def closed_loop(llm: LLM, concurrency: int, num_requests: int, args, seed: int) 
         "itl_p99_ms": 1e3 * percentile(gaps, 99),
         "itl_p99_over_p50": percentile(gaps, 99) / percentile(gaps, 50),
         "num_steps": len(decodes_per_step),
+        "prefill_tokens_per_step_p50": percentile(prefill_per_step, 50),
+        "prefill_tokens_per_step_max": max(prefill_per_step),
         # Steps after which some running request was still mid-prompt (chunked).
         "chunked_step_fraction": num_chunked_steps / len(decodes_per_step),
     }
@@ -134,6 +144,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=384, help="measured per point")
     ap.add_argument("--backlog-steps", type=int, default=4)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=0, help="0: the highest concurrency")
+    ap.add_argument("--configs", default="fixed_cap,backlog,uncapped")
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
     configs = {
@@ -141,6 +153,7 @@ def main() -> None:
         "backlog": (args.input_len, args.backlog_steps),
         "uncapped": (0, 0),
     }
+    configs = {name: configs[name] for name in args.configs.split(",")}
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     results: dict[str, dict] = {}
     rows = []
@@ -155,7 +168,7 @@ def main() -> None:
                 load_format="dummy",
                 dtype="float32",
                 max_model_len=args.input_len + args.output_len,
-                max_num_seqs=max(concurrencies),
+                max_num_seqs=args.max_num_seqs or max(concurrencies),
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_prefill_tokens_while_decoding=cap,
                 prefill_backlog_steps=steps,
@@ -169,6 +182,8 @@ def main() -> None:
                 r = results[name][str(c)] = closed_loop(llm, c, args.num_requests, args, seed)
                 rows.append((name, str(c), f"{r['output_tok_s']:.0f}",
                              f"{r['mean_decodes_per_step']:.1f}",
+                             f"{r['prefill_tokens_per_step_p50']:.0f}/"
+                             f"{r['prefill_tokens_per_step_max']}",
                              f"{r['ttft_p50_ms']:.0f}/{r['ttft_p99_ms']:.0f}",
                              f"{r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f}",
                              f"{r['itl_p99_over_p50']:.1f}"))  # fmt: skip
@@ -182,18 +197,20 @@ def main() -> None:
         "output_len": args.output_len,
         "num_requests_per_point": args.num_requests,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs or max(concurrencies),
         "configs": {
             k: {"max_prefill_tokens_while_decoding": cap, "prefill_backlog_steps": steps}
             for k, (cap, steps) in configs.items()
         },
     }
-    for c in map(str, concurrencies):
+    for c in map(str, concurrencies) if {"fixed_cap", "backlog"} <= configs.keys() else ():
         fixed = results["fixed_cap"][c]["output_tok_s"]
         results["backlog"][c]["output_tok_s_over_fixed_cap"] = (
             results["backlog"][c]["output_tok_s"] / fixed
         )
     write_result("prefill_backlog", config, results, Path(args.out_dir))
-    header = ("config", "conc", "out tok/s", "decodes/step", "TTFT p50/p99", "ITL p50/p99",
+    header = ("config", "conc", "out tok/s", "decodes/step", "prefill/step p50/max",
+              "TTFT p50/p99", "ITL p50/p99",
               "p99/p50")  # fmt: skip
     print_table(rows, header)
 

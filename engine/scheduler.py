@@ -78,9 +78,13 @@ class WaitingQueue:
             return iter(self._fifo)
         return (entry[-1] for entry in sorted(self._heap))
 
-    def num_prompt_tokens_left(self) -> int:
-        """Prompt tokens the waiting requests have still to compute (before prefix hits)."""
-        requests = self._fifo if self.policy == "fcfs" else (e[-1] for e in self._heap)
+    def num_prompt_tokens_left(self, max_requests: int) -> int:
+        """Prompt tokens the next `max_requests` waiting requests (in scheduling order) have
+        still to compute (before prefix hits)."""
+        if self.policy == "fcfs":
+            requests = itertools.islice(self._fifo, max_requests)
+        else:
+            requests = (e[-1] for e in heapq.nsmallest(max_requests, self._heap))
         return sum(r.num_prompt_tokens_left for r in requests)
 
     def add(self, request: Request, front: bool = False) -> None:
@@ -254,13 +258,18 @@ class Scheduler:
 
     def _prefill_budget_while_decoding(self) -> int:
         """`max_prefill_tokens_while_decoding`, raised to 1/`prefill_backlog_steps` of the
-        prompt tokens waiting (admitted or not; before prefix hits), up to the step's whole
-        budget: a backlog clears in about that many steps instead of at a fixed rate the
-        arrivals outrun."""
+        prompt tokens that could run now (before prefix hits), up to the step's whole budget:
+        a backlog clears in about that many steps instead of at a fixed rate the arrivals
+        outrun. What could run now: the running requests' prompts still to compute, and the
+        waiting requests that fit in the free `max_num_seqs` slots. Requests queued beyond
+        those slots cannot start however large the budget, so they do not count: counting
+        them would hold the budget at `max_num_batched_tokens` for as long as an overload
+        lasts, every step a long prefill chunk the decodes wait behind."""
         config = self.config
         if not config.prefill_backlog_steps:
             return config.max_prefill_tokens_while_decoding
-        backlog = self.waiting.num_prompt_tokens_left() + sum(
+        free_slots = max(config.max_num_seqs - len(self.running), 0)
+        backlog = self.waiting.num_prompt_tokens_left(free_slots) + sum(
             r.num_prompt_tokens_left for r in self.running
         )
         share = -(-backlog // config.prefill_backlog_steps)

@@ -65,10 +65,17 @@ def test_a_long_prompt_is_chunked_while_decodes_keep_their_pace(tiny_llama_path)
     assert outputs["long"] == hf_greedy(tiny_llama_path, long, 16)
 
 
-def one_decoding_then(llm, first_len: int, seed: int, extra: dict[str, int] | None = None):
+def one_decoding_then(
+    llm,
+    first_len: int,
+    seed: int,
+    extra: dict[str, int] | None = None,
+    only: dict[str, int] | None = None,
+):
     """Step a request "first" (`first_len` prompt tokens) through its prefill, so that it
-    decodes, then queue p0..p3 (30, 37, 44, 51 tokens) and `extra` ({id: length}) behind it and
-    step until all are done. Returns (steps, outputs, prompts, first's prompt)."""
+    decodes, then queue p0..p3 (30, 37, 44, 51 tokens) and `extra` ({id: length}) behind it,
+    or `only` instead of all those, and step until all are done. Returns (steps, outputs,
+    prompts, first's prompt)."""
     core = llm.engine
     rng = random.Random(seed)
     first = [rng.randrange(3, 2000) for _ in range(first_len)]
@@ -77,7 +84,7 @@ def one_decoding_then(llm, first_len: int, seed: int, extra: dict[str, int] | No
     core.add_request(Request("first", first, GREEDY_12, llm.eos_token_ids))
     for o in core.step():  # nothing decodes yet: the whole prompt in one step
         outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
-    lengths = {**{f"p{i}": 30 + 7 * i for i in range(4)}, **(extra or {})}
+    lengths = only or {**{f"p{i}": 30 + 7 * i for i in range(4)}, **(extra or {})}
     prompts = {rid: [rng.randrange(3, 2000) for _ in range(n)] for rid, n in lengths.items()}
     for rid, prompt in prompts.items():
         core.add_request(Request(rid, prompt, GREEDY_12, llm.eos_token_ids))
@@ -136,6 +143,28 @@ def test_the_budget_while_decoding_follows_the_backlog(tiny_llama_path):
         left -= prefill
     assert not left and carried[0] == 99 and carried[-2] == budget, carried
     assert len(carried) == 6, carried  # the fixed cap takes 10 steps (462 / 48)
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == hf_greedy(tiny_llama_path, prompt, 12), rid
+    assert outputs["first"] == hf_greedy(tiny_llama_path, first, 12)
+
+
+def test_the_backlog_counts_only_what_the_free_seq_slots_can_start(tiny_llama_path):
+    """max_num_seqs 2: while "first" decodes, one slot is free, so of the four 200-token prompts
+    waiting only "a" counts. Its prompt takes half of what is left each step (never under the
+    cap of 32); counting all 800 waiting tokens would take it in one step of 200."""
+    llm = LLM(
+        str(tiny_llama_path),
+        max_model_len=512,
+        max_num_seqs=2,
+        max_num_batched_tokens=256,
+        max_prefill_tokens_while_decoding=32,
+        prefill_backlog_steps=2,
+        async_scheduling=False,
+    )
+    lengths = {rid: 200 for rid in "abcd"}
+    steps, outputs, prompts, first = one_decoding_then(llm, 60, seed=3, only=lengths)
+    while_first_decodes = [s for s in steps[1:] if s.get("first") == 1]
+    assert [s.get("a") for s in while_first_decodes[:5]] == [100, 50, 32, 18, 1]
     for rid, prompt in prompts.items():
         assert outputs[rid] == hf_greedy(tiny_llama_path, prompt, 12), rid
     assert outputs["first"] == hf_greedy(tiny_llama_path, first, 12)
