@@ -160,7 +160,9 @@ class SchedulerConfig:
     # decode's inter-token latency is at most a decode step plus this many prefill tokens (the
     # Sarathi-Serve budget). A step with no decodes keeps max_num_batched_tokens.
     max_prefill_tokens_while_decoding: int = 0
-    # With the cap above: raise it to 1/N of the prompt tokens waiting (up to the whole budget)
+    # With the cap above: raise it to 1/N of the prompt tokens that could start now (running
+    # requests' and those of the waiting ones the free max_num_seqs slots admit; up to the
+    # whole budget)
     # so that a backlog clears in about N steps (0: a fixed cap). Under light load the cap
     # holds (inter-token latency); once prompts queue faster than the cap admits them, the
     # budget follows the queue and throughput does not stay flat at the cap's rate.

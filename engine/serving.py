@@ -119,8 +119,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="with --max-prefill-tokens-while-decoding: raise that cap to 1/N of the prompt "
-        "tokens waiting (up to --max-num-batched-tokens), so that a backlog clears in about N "
-        "steps; 0 keeps the cap fixed (throughput then stays at the rate it admits prompts)",
+        "tokens that could start now (running requests' and those of the waiting ones the free "
+        "--max-num-seqs slots admit; up to --max-num-batched-tokens), so that a backlog clears "
+        "in about N steps; 0 keeps the cap fixed (throughput then stays at the rate it admits "
+        "prompts)",
     )
     parser.add_argument(
         "--max-num-queued-reqs",
