@@ -1,0 +1,174 @@
+"""Mixed steps (decodes plus a prefill chunk) on the GPU: wall time, GPU kernel time, roofline.
+
+Why: through `tandem serve` colocated with `--max-prefill-tokens-while-decoding 512`, a step of
+~128 decodes plus one 512-token chunk shows as an inter-token gap of ~37 ms on the H200
+(`results/serve_gpu_backlog-2026-12-02.json`), about twice a roofline estimate. Such steps run
+eagerly (no CUDA graph) and synchronously (the engine pipelines only decode-only steps); this
+measures how much of a mixed step is the GPU's work and how much is the host's, next to the
+decode-only step of the same batch.
+
+Per point (batch B decoding at context C, chunk P): B requests are prefilled and decoding;
+then long prompts are queued, so that each following step carries B decodes plus P prompt
+tokens (the engine's `max_prefill_tokens_while_decoding` = P). Reported:
+- `decode_step_ms`, `mixed_step_ms`: median wall time of back-to-back engine steps;
+- `mixed_gpu_ms`: the kernels' summed GPU time per mixed step (torch.profiler), and
+  `mixed_host_exposed_ms` = wall - GPU: host time the GPU waited for;
+- `mixed_roofline_ms`: max(2 x params x (B + P) FLOPs / matmul ceiling, (weights + KV read)
+  bytes / copy ceiling), ceilings measured in the same run.
+
+    TRITON_INTERPRET=0 python -m bench.mixed_step [--points 128:512:512,64:1024:512]
+    python -m bench.mixed_step --tiny      # CPU smoke check (no GPU figures)
+Writes `mixed_step-<date>.json` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import print_table, write_result
+from bench.gpu_engine import ceilings, make_config_dir, random_prompts
+from engine import LLM, SamplingParams
+from engine.request import Request
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=32)  # fmt: skip
+MAX_MODEL_LEN = 4096 + 256
+FEEDER_LEN = 4096  # the queued prompts: P tokens of one of them per step
+
+
+def make_llm(path: Path, chunk: int, tiny: bool) -> LLM:
+    return LLM(
+        str(path),
+        load_format="dummy",
+        dtype="float32" if tiny else "bfloat16",
+        skip_tokenizer_init=True,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_prefill_tokens_while_decoding=chunk,
+        enable_prefix_caching=False,
+        gpu_memory_utilization=0.85,
+    )
+
+
+def timed_steps(llm: LLM, num_steps: int) -> tuple[list[float], list[int]]:
+    """Wall seconds of each of `num_steps` engine steps, and the prompt tokens each computed
+    (the check that a window is what it claims: 0 for decode-only, the chunk for mixed)."""
+    core, times, prompt_tokens = llm.engine, [], []
+
+    def prompt_tokens_left() -> int:
+        sched = core.scheduler
+        return sum(r.num_prompt_tokens_left for r in (*sched.running, *sched.waiting))
+
+    for _ in range(num_steps):
+        left = prompt_tokens_left()
+        start = time.perf_counter()
+        core.step()
+        times.append(time.perf_counter() - start)
+        prompt_tokens.append(left - prompt_tokens_left())
+    return times, prompt_tokens
+
+
+def gpu_ms_per_step(llm: LLM, num_steps: int) -> float:
+    """Summed CUDA kernel time of `num_steps` engine steps, per step."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            llm.engine.step()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / 1e3 / num_steps
+
+
+def point(llm: LLM, batch: int, ctx: int, chunk: int, ceil: dict | None, seed: int) -> dict:
+    core = llm.engine
+    steps = 12
+    # Enough tokens for the decode-only and mixed windows and the profiled steps after them.
+    params = SamplingParams(temperature=0, max_tokens=8 * steps + 64, ignore_eos=True)
+    rids = [f"d{seed}-{i}" for i in range(batch)]
+    for rid, p in zip(rids, random_prompts(batch, ctx, seed)):
+        core.add_request(Request(rid, p, params))
+
+    def all_decoding() -> bool:
+        running = core.scheduler.running
+        return len(running) == batch and all(r.num_output_tokens > 1 for r in running)
+
+    while not all_decoding():
+        core.step()  # every prompt in, every request decoding
+    decode, decode_prompt = timed_steps(llm, steps)
+    # Feeders: each step takes `chunk` of their prompt tokens (one feeder lasts
+    # FEEDER_LEN / chunk steps; 4 of them outlast the windows below).
+    num_feeders = -(-3 * steps * chunk // FEEDER_LEN) + 1
+    fparams = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for i, p in enumerate(random_prompts(num_feeders, FEEDER_LEN, seed + 1)):
+        core.add_request(Request(f"f{seed}-{i}", p, fparams))
+    core.step()  # the first chunk: a step that also decides what is admitted
+    mixed, mixed_prompt = timed_steps(llm, steps)
+    assert not any(decode_prompt) and set(mixed_prompt) == {chunk}, (decode_prompt, mixed_prompt)
+    res = {
+        "batch": batch,
+        "ctx": ctx,
+        "chunk": chunk,
+        "decode_step_ms": 1e3 * statistics.median(decode),
+        "mixed_step_ms": 1e3 * statistics.median(mixed),
+    }
+    if ceil is not None:
+        res["mixed_gpu_ms"] = gpu_ms_per_step(llm, steps)
+        res["mixed_host_exposed_ms"] = res["mixed_step_ms"] - res["mixed_gpu_ms"]
+        weights = llm.engine.runner.weights_bytes
+        params_count = weights / 2  # bf16
+        flops = 2 * params_count * (batch + chunk)
+        kv_read = batch * (ctx + 4 * steps) * llm.config.kv_bytes_per_token()
+        compute_s = flops / (ceil["matmul_bf16_TFLOPs"] * 1e12)
+        memory_s = (weights + kv_read) / (ceil["copy_GBps"] * 1e9)
+        res["mixed_roofline_ms"] = 1e3 * max(compute_s, memory_s)
+        res["mixed_over_roofline"] = res["mixed_step_ms"] / res["mixed_roofline_ms"]
+    for rid in [*rids, *(f"f{seed}-{i}" for i in range(num_feeders))]:
+        core.abort_request(rid)
+    while core.has_unfinished_requests():
+        core.step()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--points", default="128:512:512,64:1024:512,128:512:2048",
+                    help="batch:context:chunk")  # fmt: skip
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke check: a 2-layer model")
+    ap.add_argument("--out-dir", default="bench/results")
+    args = ap.parse_args()
+    points = [tuple(int(x) for x in p.split(":")) for p in args.points.split(",")]
+    if args.tiny:
+        points = [(4, 32, 16)]
+    ceil = None if args.tiny else ceilings()
+    results: dict = {"ceilings": ceil, "points": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        shape = TINY if args.tiny else None
+        path = make_config_dir("qwen3-8b", Path(tmp), shape)
+        llms: dict[int, LLM] = {}
+        for i, (batch, ctx, chunk) in enumerate(points):
+            if chunk not in llms:
+                llms.clear()  # one engine on the GPU at a time
+                llms[chunk] = make_llm(path, chunk, args.tiny)
+            results["points"].append(point(llms[chunk], batch, ctx, chunk, ceil, seed=i))
+            print(results["points"][-1], flush=True)
+    config = {"model_shape": "tiny" if args.tiny else "qwen3-8b", "weights": "dummy",
+              "points": args.points, "tiny": args.tiny}  # fmt: skip
+    write_result("mixed_step", config, results, Path(args.out_dir))
+    rows = []
+    for r in results["points"]:
+        gpu = f"{r['mixed_gpu_ms']:.1f}" if "mixed_gpu_ms" in r else "-"
+        roof = f"{r['mixed_roofline_ms']:.1f}" if "mixed_roofline_ms" in r else "-"
+        rows.append((f"{r['batch']} x {r['ctx']} + {r['chunk']}", f"{r['decode_step_ms']:.1f}",
+                     f"{r['mixed_step_ms']:.1f}", gpu, roof))  # fmt: skip
+    print_table(rows, ("decodes x ctx + chunk", "decode ms", "mixed ms", "GPU ms", "roofline ms"))
+
+
+if __name__ == "__main__":
+    main()
