@@ -122,3 +122,10 @@ def stop_processes(procs, timeout_s: float) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def prompt_tokens_left(core) -> int:
+    """Prompt tokens an engine core's requests (running and waiting) have still to compute:
+    the difference across a step is the prompt tokens that step computed."""
+    sched = core.scheduler
+    return sum(r.num_prompt_tokens_left for r in (*sched.running, *sched.waiting))

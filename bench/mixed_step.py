@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import print_table, write_result
+from bench.common import print_table, prompt_tokens_left, write_result
 from bench.gpu_engine import ceilings, make_config_dir, random_prompts
 from engine import LLM, SamplingParams
 from engine.request import Request
@@ -62,16 +62,12 @@ def timed_steps(llm: LLM, num_steps: int) -> tuple[list[float], list[int]]:
     (the check that a window is what it claims: 0 for decode-only, the chunk for mixed)."""
     core, times, prompt_tokens = llm.engine, [], []
 
-    def prompt_tokens_left() -> int:
-        sched = core.scheduler
-        return sum(r.num_prompt_tokens_left for r in (*sched.running, *sched.waiting))
-
     for _ in range(num_steps):
-        left = prompt_tokens_left()
+        left = prompt_tokens_left(core)
         start = time.perf_counter()
         core.step()
         times.append(time.perf_counter() - start)
-        prompt_tokens.append(left - prompt_tokens_left())
+        prompt_tokens.append(left - prompt_tokens_left(core))
     return times, prompt_tokens
 
 

@@ -37,7 +37,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `engine` impo
 
 from transformers import Qwen3Config  # noqa: E402
 
-from bench.common import print_table, write_result  # noqa: E402
+from bench.common import print_table, prompt_tokens_left, write_result  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.request import Request  # noqa: E402
 
@@ -84,12 +84,8 @@ def closed_loop(llm: LLM, concurrency: int, num_requests: int, args, seed: int) 
     for _ in range(concurrency):
         add()
 
-    def prompt_tokens_left() -> int:
-        sched = core.scheduler
-        return sum(r.num_prompt_tokens_left for r in (*sched.running, *sched.waiting))
-
     while num_done < num_requests:
-        left = prompt_tokens_left()
+        left = prompt_tokens_left(core)
         outputs = core.step()
         now = time.perf_counter()
         measuring = start is not None
@@ -97,7 +93,7 @@ def closed_loop(llm: LLM, concurrency: int, num_requests: int, args, seed: int) 
             running = core.scheduler.running
             num_decodes = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in running)
             decodes_per_step.append(num_decodes)
-            prefill_per_step.append(left - prompt_tokens_left())
+            prefill_per_step.append(left - prompt_tokens_left(core))
             num_chunked_steps += num_decodes < len(running)
         for o in outputs:
             if not o.new_token_ids:
