@@ -129,3 +129,10 @@ def prompt_tokens_left(core) -> int:
     the difference across a step is the prompt tokens that step computed."""
     sched = core.scheduler
     return sum(r.num_prompt_tokens_left for r in (*sched.running, *sched.waiting))
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile q (0-100) of a non-empty list: the value at index q% of the
+    sorted list (no interpolation)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]

@@ -45,7 +45,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `bench`, `gateway`, `protos` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import ensure_internal_token, print_table, write_result  # noqa: E402
+from bench.common import ensure_internal_token, percentile, print_table, write_result  # noqa: E402
 from bench.gateway_overhead import start  # noqa: E402
 
 ensure_internal_token()
@@ -104,11 +104,6 @@ def poll_health(port: int, duration_s: float, interval_s: float) -> list[float]:
         time.sleep(max(0.0, interval_s - (time.perf_counter() - t0)))
     conn.close()
     return latencies_ms
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
 def run_scenario(port: int, flood: list[tuple[str, bytes]], args) -> dict[str, Any]:

@@ -37,7 +37,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `engine` impo
 
 from transformers import Qwen3Config  # noqa: E402
 
-from bench.common import print_table, prompt_tokens_left, write_result  # noqa: E402
+from bench.common import percentile, print_table, prompt_tokens_left, write_result  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.request import Request  # noqa: E402
 
@@ -51,11 +51,6 @@ SHAPE = dict(
     vocab_size=4096,  # a small head: the step's cost is the layers', as for an 8B model
 )
 VOCAB = SHAPE["vocab_size"]
-
-
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
 
 
 def closed_loop(llm: LLM, concurrency: int, num_requests: int, args, seed: int) -> dict:
