@@ -155,14 +155,14 @@ def hf_tpot(path: Path, prompt_len: int, new_tokens: int) -> float:
     return (total - ttft) / (new_tokens - 1)
 
 
-def dummy_llm(path: Path, **llm_kwargs) -> LLM:
-    """The latency benchmarks' engine: random bf16 weights, room for a 4,096-token prompt;
-    `llm_kwargs`: more engine arguments (e.g. quantization="fp8")."""
+def dummy_llm(path: Path, dtype: str = "bfloat16", **llm_kwargs) -> LLM:
+    """The latency benchmarks' engine: random weights (bf16 unless `dtype`), room for a
+    4,096-token prompt; `llm_kwargs`: more engine arguments (e.g. quantization="fp8")."""
     return LLM(
         str(path),
         **llm_kwargs,
         load_format="dummy",
-        dtype="bfloat16",
+        dtype=dtype,
         skip_tokenizer_init=True,
         max_model_len=4096 + 256,
         max_num_seqs=256,

@@ -32,28 +32,22 @@ from pathlib import Path
 import torch
 
 from bench.common import print_table, prompt_tokens_left, write_result
-from bench.gpu_engine import ceilings, make_config_dir, random_prompts
+from bench.gpu_engine import ceilings, dummy_llm, make_config_dir, param_count, random_prompts
 from engine import LLM, SamplingParams
 from engine.request import Request
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, head_dim=32)  # fmt: skip
-MAX_MODEL_LEN = 4096 + 256
 FEEDER_LEN = 4096  # the queued prompts: P tokens of one of them per step
 
 
 def make_llm(path: Path, chunk: int, tiny: bool) -> LLM:
-    return LLM(
-        str(path),
-        load_format="dummy",
+    """The latency benchmarks' engine, its prompt tokens beside decodes capped at `chunk`."""
+    return dummy_llm(
+        path,
         dtype="float32" if tiny else "bfloat16",
-        skip_tokenizer_init=True,
-        max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
         max_prefill_tokens_while_decoding=chunk,
         enable_prefix_caching=False,
-        gpu_memory_utilization=0.85,
     )
 
 
@@ -118,8 +112,7 @@ def point(llm: LLM, batch: int, ctx: int, chunk: int, ceil: dict | None, seed: i
         res["mixed_gpu_ms"] = gpu_ms_per_step(llm, steps)
         res["mixed_host_exposed_ms"] = res["mixed_step_ms"] - res["mixed_gpu_ms"]
         weights = llm.engine.runner.weights_bytes
-        params_count = weights / 2  # bf16
-        flops = 2 * params_count * (batch + chunk)
+        flops = 2 * param_count(llm) * (batch + chunk)
         kv_read = batch * (ctx + 4 * steps) * llm.config.kv_bytes_per_token()
         compute_s = flops / (ceil["matmul_bf16_TFLOPs"] * 1e12)
         memory_s = (weights + kv_read) / (ceil["copy_GBps"] * 1e9)
