@@ -162,10 +162,9 @@ class SchedulerConfig:
     max_prefill_tokens_while_decoding: int = 0
     # With the cap above: raise it to 1/N of the prompt tokens that could start now (running
     # requests' and those of the waiting ones the free max_num_seqs slots admit; up to the
-    # whole budget)
-    # so that a backlog clears in about N steps (0: a fixed cap). Under light load the cap
-    # holds (inter-token latency); once prompts queue faster than the cap admits them, the
-    # budget follows the queue and throughput does not stay flat at the cap's rate.
+    # whole budget), so that a backlog clears in about N steps (0: a fixed cap). Under light
+    # load the cap holds (inter-token latency); once prompts queue faster than the cap admits
+    # them, the budget follows the queue and throughput does not stay flat at the cap's rate.
     prefill_backlog_steps: int = 0
     # Launch decode step N+1 before reading step N's tokens (steady greedy decode under CUDA
     # graphs): the host's scheduling and output work overlaps the GPU. None: on with graphs.
