@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,20 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @cached_property
+    def num_decodes(self) -> int:
+        """Leading sequences with one new token each: the scheduler puts decodes first, so in
+        a mixed batch a backend can give them its decode kernel and the rest its prefill one."""
+        qsl, n = self.query_start_loc_cpu, 0
+        while n < self.num_seqs and qsl[n + 1] - qsl[n] == 1:
+            n += 1
+        return n
+
+    @cached_property
+    def prefill_query_start_loc(self) -> torch.Tensor:
+        """query_start_loc of the sequences after the leading decodes, from 0 (device)."""
+        return self.query_start_loc[self.num_decodes :] - self.num_decodes
 
 
 class AttentionBackend(ABC):

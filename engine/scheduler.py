@@ -254,6 +254,9 @@ class Scheduler:
             budget -= num_new
             if is_prompt:
                 prefill_budget -= num_new
+        # Decodes first (stable): attention backends give the leading one-token rows their
+        # decode kernel (engine/attention.py, `AttentionMetadata.num_decodes`).
+        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return out
 
     def _prefill_budget_while_decoding(self) -> int:

@@ -9,17 +9,26 @@ import torch
 from engine import LLM, SamplingParams
 from engine.attention import AttentionMetadata, TorchPagedAttention
 from engine.attention_triton import TritonPagedAttention
-from tests.kernels.helpers import make_paged_kv, max_rel_err, packed_qkv, test_device
+from tests.kernels.helpers import (
+    gpu,
+    make_paged_kv,
+    max_rel_err,
+    norm_rel_err,
+    packed_qkv,
+    test_device,
+)
 
 BLOCK_SIZE, HEAD_DIM = 4, 16
 
 
-def _meta(computed: list[int], new: list[int], tables: torch.Tensor) -> AttentionMetadata:
+def _meta(
+    computed: list[int], new: list[int], tables: torch.Tensor, block_size: int = BLOCK_SIZE
+) -> AttentionMetadata:
     """Metadata as the model runner builds it: slots of the new tokens in each block table."""
     slots, qsl = [], [0]
     for s, (c, n) in enumerate(zip(computed, new)):
         row = tables[s].tolist()
-        slots += [row[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(c, c + n)]
+        slots += [row[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
         qsl.append(qsl[-1] + n)
     seq_lens = [c + n for c, n in zip(computed, new)]
     dev = tables.device
@@ -30,16 +39,21 @@ def _meta(computed: list[int], new: list[int], tables: torch.Tensor) -> Attentio
         block_tables=tables,
         query_start_loc_cpu=qsl,
         seq_lens_cpu=seq_lens,
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
         max_query_len=max(new),
         max_seq_len=max(seq_lens),
     )
 
 
 @pytest.mark.parametrize(
-    "computed,new", [([0, 9, 5], [6, 3, 1]), ([5, 12, 30], [1, 1, 1])], ids=["mixed", "decode"]
+    "computed,new",
+    [([0, 9, 5], [6, 3, 1]), ([5, 12, 30], [1, 1, 1]), ([5, 30, 0, 9, 12], [1, 1, 6, 3, 1])],
+    ids=["mixed", "decode", "decodes_first"],
 )
 def test_matches_torch_backend(computed, new):
+    """decodes_first: the scheduler's mixed order; its two leading rows take the decode
+    kernel (one of them over 31 tokens, past the interpreter's single partition) and the rest,
+    a trailing one-token row included, the prefill kernel."""
     dev = test_device()
     lens = [c + n for c, n in zip(computed, new)]
     cache, kv_layer, tables = make_paged_kv(lens, 2, HEAD_DIM, BLOCK_SIZE, device=dev)
@@ -50,6 +64,27 @@ def test_matches_torch_backend(computed, new):
     out = TritonPagedAttention().forward(q, k, v, kv_layer, meta, 0.25)
     assert torch.equal(cache, expect_cache)
     assert max_rel_err(out, expect) <= 1e-5
+    leading_decodes = next((i for i, n in enumerate(new) if n != 1), len(new))
+    assert meta.num_decodes == leading_decodes
+
+
+@gpu
+def test_a_mixed_batch_at_qwen3_8b_shapes_matches_torch_backend():
+    """bf16, 32 q / 8 KV heads of 128, blocks of 16: 96 decodes at 100-1,500 tokens (the split-K
+    decode path) ahead of a 512-token chunk after 700 cached tokens and a fresh 300-token
+    prompt, as the scheduler orders a serving step."""
+    gen = torch.Generator().manual_seed(0)
+    computed = torch.randint(100, 1500, (96,), generator=gen).tolist() + [700, 0]
+    new = [1] * 96 + [512, 300]
+    lens = [c + n for c, n in zip(computed, new)]
+    cache, kv_layer, tables = make_paged_kv(lens, 8, 128, 16, torch.bfloat16, "cuda")
+    meta = _meta(computed, new, tables, block_size=16)
+    q, k, v = packed_qkv(sum(new), 32, 8, 128, torch.bfloat16, "cuda")
+    expect = TorchPagedAttention().forward(q, k, v, cache.clone()[:, 1], meta, 128**-0.5)
+    backend = TritonPagedAttention(static_max_seq_len=4096)
+    out = backend.forward(q, k, v, kv_layer, meta, 128**-0.5)
+    assert meta.num_decodes == 96
+    assert norm_rel_err(out, expect) <= 1e-2
 
 
 def _torch_path_greedy(path):

@@ -65,6 +65,33 @@ def test_a_long_prompt_is_chunked_while_decodes_keep_their_pace(tiny_llama_path)
     assert outputs["long"] == hf_greedy(tiny_llama_path, long, 16)
 
 
+def test_decodes_come_first_in_a_mixed_step(tiny_llama_path):
+    """ "long" is admitted first and prefills in 32-token chunks; "short", admitted in the same
+    step, decodes from the next one, although it runs behind "long". The step lists it first:
+    the attention backends give the leading one-token rows the decode kernel."""
+    llm = LLM(
+        str(tiny_llama_path),
+        max_model_len=512,
+        long_prefill_token_threshold=THRESHOLD,
+        async_scheduling=False,
+    )
+    core = llm.engine
+    rng = random.Random(3)
+    prompts = {"long": [rng.randrange(3, 2000) for _ in range(100)], "short": [5, 6, 7, 8]}
+    for rid, prompt in prompts.items():
+        core.add_request(Request(rid, prompt, GREEDY_12, llm.eos_token_ids))
+    steps = record_schedules(core)
+    outputs: dict[str, list[int]] = {}
+    step_until_done(core, outputs)
+    assert list(steps[0].items()) == [("long", THRESHOLD), ("short", 4)]
+    assert list(steps[1].items()) == [("short", 1), ("long", THRESHOLD)]
+    for step in steps:
+        sizes = list(step.values())
+        assert sizes == sorted(sizes, key=lambda n: n != 1), step
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == hf_greedy(tiny_llama_path, prompt, 12), rid
+
+
 def one_decoding_then(
     llm,
     first_len: int,
