@@ -16,6 +16,9 @@ tokens (the engine's `max_prefill_tokens_while_decoding` = P). Reported:
 - `mixed_roofline_ms`: max(2 x params x (B + P) FLOPs / matmul ceiling, (weights + KV read)
   bytes / copy ceiling), ceilings measured in the same run.
 
+- with `--host-profile`, `host_top`: the functions taking the most host time in the mixed
+  steps (cProfile, own time per step), to tell launch overhead from scheduling.
+
     TRITON_INTERPRET=0 python -m bench.mixed_step [--points 128:512:512,64:1024:512]
     python -m bench.mixed_step --tiny      # CPU smoke check (no GPU figures)
 Writes `mixed_step-<date>.json` and prints a table.
@@ -24,6 +27,8 @@ Writes `mixed_step-<date>.json` and prints a table.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import tempfile
 import time
@@ -76,7 +81,27 @@ def gpu_ms_per_step(llm: LLM, num_steps: int) -> float:
     return total_us / 1e3 / num_steps
 
 
-def point(llm: LLM, batch: int, ctx: int, chunk: int, ceil: dict | None, seed: int) -> dict:
+def host_profile(llm: LLM, num_steps: int, top: int = 25) -> list[dict]:
+    """cProfile over `num_steps` engine steps: the `top` functions by own time, per step."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(num_steps):
+        llm.engine.step()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = []
+    for (file, line, func), (_, ncalls, tottime, cumtime, _) in stats.stats.items():
+        where = f"{Path(file).name}:{line}:{func}" if line else func
+        rows.append({"func": where, "calls_per_step": ncalls / num_steps,
+                     "own_ms_per_step": 1e3 * tottime / num_steps,
+                     "cum_ms_per_step": 1e3 * cumtime / num_steps})  # fmt: skip
+    rows.sort(key=lambda r: -r["own_ms_per_step"])
+    return rows[:top]
+
+
+def point(
+    llm: LLM, batch: int, ctx: int, chunk: int, ceil: dict | None, seed: int, profile: bool
+) -> dict:
     core = llm.engine
     steps = 12
     # Enough tokens for the decode-only and mixed windows and the profiled steps after them.
@@ -118,6 +143,8 @@ def point(llm: LLM, batch: int, ctx: int, chunk: int, ceil: dict | None, seed: i
         memory_s = (weights + kv_read) / (ceil["copy_GBps"] * 1e9)
         res["mixed_roofline_ms"] = 1e3 * max(compute_s, memory_s)
         res["mixed_over_roofline"] = res["mixed_step_ms"] / res["mixed_roofline_ms"]
+    if profile:
+        res["host_top"] = host_profile(llm, steps // 2)
     for rid in [*rids, *(f"f{seed}-{i}" for i in range(num_feeders))]:
         core.abort_request(rid)
     while core.has_unfinished_requests():
@@ -131,6 +158,7 @@ def main() -> None:
                     help="batch:context:chunk")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="CPU smoke check: a 2-layer model")
     ap.add_argument("--out-dir", default="bench/results")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile the mixed steps")
     args = ap.parse_args()
     points = [tuple(int(x) for x in p.split(":")) for p in args.points.split(",")]
     if args.tiny:
@@ -145,8 +173,10 @@ def main() -> None:
             if chunk not in llms:
                 llms.clear()  # one engine on the GPU at a time
                 llms[chunk] = make_llm(path, chunk, args.tiny)
-            results["points"].append(point(llms[chunk], batch, ctx, chunk, ceil, seed=i))
-            print(results["points"][-1], flush=True)
+            results["points"].append(
+                point(llms[chunk], batch, ctx, chunk, ceil, i, args.host_profile)
+            )
+            print({k: v for k, v in results["points"][-1].items() if k != "host_top"}, flush=True)
     config = {"model_shape": "tiny" if args.tiny else "qwen3-8b", "weights": "dummy",
               "points": args.points, "tiny": args.tiny}  # fmt: skip
     write_result("mixed_step", config, results, Path(args.out_dir))
@@ -157,6 +187,12 @@ def main() -> None:
         rows.append((f"{r['batch']} x {r['ctx']} + {r['chunk']}", f"{r['decode_step_ms']:.1f}",
                      f"{r['mixed_step_ms']:.1f}", gpu, roof))  # fmt: skip
     print_table(rows, ("decodes x ctx + chunk", "decode ms", "mixed ms", "GPU ms", "roofline ms"))
+    for r in results["points"]:
+        if "host_top" in r:
+            print(f"host, {r['batch']} x {r['ctx']} + {r['chunk']}: ms per step (own / cum), calls")
+            for h in r["host_top"][:12]:
+                print(f"  {h['own_ms_per_step']:6.2f} {h['cum_ms_per_step']:6.2f} "
+                      f"{h['calls_per_step']:6.0f}  {h['func'][-70:]}")  # fmt: skip
 
 
 if __name__ == "__main__":
