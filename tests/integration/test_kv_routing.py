@@ -83,8 +83,16 @@ def kv(tiny_qwen3_path, tmp_path_factory):
     c = None
     try:
         c = KVCluster(str(tiny_qwen3_path), server)
+        # Remote prefill only: the policies compared here place prompts on prefills. Under
+        # "auto" a loaded machine can make a decode's local prefill look cheaper; that prompt
+        # is then cached at no prefill, and the round never settles (seen once in CI with a
+        # CPU hog beside it).
         settings = GatewaySettings(
-            model=c.model, max_model_len=256, redis_url=server.url, registry_refresh_s=0.1
+            model=c.model,
+            max_model_len=256,
+            redis_url=server.url,
+            registry_refresh_s=0.1,
+            prefill_policy="remote",
         )
         c.state = build_state(settings)
         with serve(create_app(settings, c.state)) as c.url:
