@@ -39,13 +39,15 @@ def step_until_done(core, outputs: dict[str, list[int]]) -> None:
             outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
 
 
-def test_a_long_prompt_is_chunked_while_decodes_keep_their_pace(tiny_llama_path):
-    llm = LLM(
-        str(tiny_llama_path),
-        max_model_len=512,
-        long_prefill_token_threshold=THRESHOLD,
-        async_scheduling=False,
+def chunking_llm(path) -> LLM:
+    """The tiny model with prompts chunked at THRESHOLD tokens per request per step."""
+    return LLM(
+        str(path), max_model_len=512, long_prefill_token_threshold=THRESHOLD, async_scheduling=False
     )
+
+
+def test_a_long_prompt_is_chunked_while_decodes_keep_their_pace(tiny_llama_path):
+    llm = chunking_llm(tiny_llama_path)
     core = llm.engine
     rng = random.Random(0)
     short = [[rng.randrange(3, 2000) for _ in range(8)] for _ in range(3)]
@@ -66,15 +68,10 @@ def test_a_long_prompt_is_chunked_while_decodes_keep_their_pace(tiny_llama_path)
 
 
 def test_decodes_come_first_in_a_mixed_step(tiny_llama_path):
-    """ "long" is admitted first and prefills in 32-token chunks; "short", admitted in the same
-    step, decodes from the next one, although it runs behind "long". The step lists it first:
-    the attention backends give the leading one-token rows the decode kernel."""
-    llm = LLM(
-        str(tiny_llama_path),
-        max_model_len=512,
-        long_prefill_token_threshold=THRESHOLD,
-        async_scheduling=False,
-    )
+    """Request "long" is admitted first and prefills in 32-token chunks; "short", admitted in
+    the same step, decodes from the next one, although it runs behind "long". The step lists it
+    first: the attention backends give the leading one-token rows the decode kernel."""
+    llm = chunking_llm(tiny_llama_path)
     core = llm.engine
     rng = random.Random(3)
     prompts = {"long": [rng.randrange(3, 2000) for _ in range(100)], "short": [5, 6, 7, 8]}
