@@ -3,7 +3,9 @@
 Each sequence's new tokens (q rows query_start_loc[s]..query_start_loc[s+1]) are the last
 q_len positions of a context of seq_lens[s] tokens, whose K/V (prefix and new tokens alike) are
 already in the paged cache: the KV-write kernel runs first. So chunked prefill, prefix-cache
-hits and decode rows mixed into a prefill batch are all the same case.
+hits and decode rows mixed into a prefill batch are all the same case. Decode rows are correct
+here but wasteful (one live row per BLOCK_M-row tile): `TritonPagedAttention` gives the leading
+ones of a mixed batch to the paged decode kernel instead.
 
 Why this shape: one program owns BLOCK_M query rows of one q head and streams the context in
 BLOCK_N-token tiles with an online softmax (fp32 running max/sum in base 2). The loop is split
