@@ -48,6 +48,11 @@ class AttentionMetadata:
         return n
 
     @cached_property
+    def decode_max_seq_len(self) -> int:
+        """The longest context among the leading decodes (host; 0 when there are none)."""
+        return max(self.seq_lens_cpu[: self.num_decodes], default=0)
+
+    @cached_property
     def prefill_query_start_loc(self) -> torch.Tensor:
         """query_start_loc of the sequences after the leading decodes, from 0 (device)."""
         return self.query_start_loc[self.num_decodes :] - self.num_decodes

@@ -58,9 +58,8 @@ class TritonPagedAttention(AttentionBackend):
             )  # fmt: skip
         # Mixed (eager, never captured): rows 0..d-1 are the decodes' single queries.
         out = torch.empty_like(q)
-        max_decode_len = max(meta.seq_lens_cpu[:d])
         tables, lens = meta.block_tables, meta.seq_lens
-        self._decode(q[:d], kv_layer, tables[:d], lens[:d], scale, max_decode_len, out[:d])
+        self._decode(q[:d], kv_layer, tables[:d], lens[:d], scale, meta.decode_max_seq_len, out[:d])
         prefill_attention(
             q[d:], kv_layer, tables[d:], meta.prefill_query_start_loc, lens[d:], scale,
             max_query_len=meta.max_query_len, out=out[d:],

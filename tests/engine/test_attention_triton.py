@@ -47,13 +47,23 @@ def _meta(
 
 @pytest.mark.parametrize(
     "computed,new",
-    [([0, 9, 5], [6, 3, 1]), ([5, 12, 30], [1, 1, 1]), ([5, 30, 0, 9, 12], [1, 1, 6, 3, 1])],
+    [([0, 9, 5], [6, 3, 1]), ([5, 12, 30], [1, 1, 1]), ([5, 70, 0, 9, 12], [1, 1, 6, 3, 1])],
     ids=["mixed", "decode", "decodes_first"],
 )
-def test_matches_torch_backend(computed, new):
+def test_matches_torch_backend(computed, new, monkeypatch):
     """decodes_first: the scheduler's mixed order; its two leading rows take the decode
-    kernel (one of them over 31 tokens, past the interpreter's single partition) and the rest,
-    a trailing one-token row included, the prefill kernel."""
+    kernel (one over 71 tokens: two 64-token partitions, the split-K path) and the rest, a
+    trailing one-token row included, the prefill kernel."""
+    import engine.attention_triton as backend_module
+
+    decode_rows = []
+    decode = backend_module.paged_decode_attention
+
+    def spy(q, *args, **kwargs):
+        decode_rows.append(q.shape[0])
+        return decode(q, *args, **kwargs)
+
+    monkeypatch.setattr(backend_module, "paged_decode_attention", spy)
     dev = test_device()
     lens = [c + n for c, n in zip(computed, new)]
     cache, kv_layer, tables = make_paged_kv(lens, 2, HEAD_DIM, BLOCK_SIZE, device=dev)
@@ -66,6 +76,7 @@ def test_matches_torch_backend(computed, new):
     assert max_rel_err(out, expect) <= 1e-5
     leading_decodes = next((i for i, n in enumerate(new) if n != 1), len(new))
     assert meta.num_decodes == leading_decodes
+    assert decode_rows == ([leading_decodes] if leading_decodes else [])
 
 
 @gpu

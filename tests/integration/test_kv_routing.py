@@ -85,8 +85,8 @@ def kv(tiny_qwen3_path, tmp_path_factory):
         c = KVCluster(str(tiny_qwen3_path), server)
         # Remote prefill only: the policies compared here place prompts on prefills. Under
         # "auto" a loaded machine can make a decode's local prefill look cheaper; that prompt
-        # is then cached at no prefill, and the round never settles (seen once in CI with a
-        # CPU hog beside it).
+        # is then cached at no prefill, and the round cannot settle. The likely cause (not
+        # observed) of one failure in a clean-clone run beside a CPU-bound job.
         settings = GatewaySettings(
             model=c.model,
             max_model_len=256,
