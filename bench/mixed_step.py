@@ -46,13 +46,15 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 FEEDER_LEN = 4096  # the queued prompts: P tokens of one of them per step
 
 
-def make_llm(path: Path, chunk: int, tiny: bool) -> LLM:
-    """The latency benchmarks' engine, its prompt tokens beside decodes capped at `chunk`."""
+def make_llm(path: Path, chunk: int, tiny: bool, mode: str) -> LLM:
+    """The latency benchmarks' engine, its prompt tokens beside decodes capped at `chunk`,
+    with CUDA graphs in `mode` (vLLM's cudagraph_mode)."""
     return dummy_llm(
         path,
         dtype="float32" if tiny else "bfloat16",
         max_prefill_tokens_while_decoding=chunk,
         enable_prefix_caching=False,
+        cudagraph_mode=mode,
     )
 
 
@@ -152,6 +154,14 @@ def point(
     return res
 
 
+def capture_stats(llm: LLM) -> dict | None:
+    """What capturing the piecewise graphs took (None: no piecewise graphs)."""
+    pieces = llm.engine.runner.piecewise
+    if pieces is None:
+        return None
+    return {"seconds": pieces.capture_s, "bytes": pieces.capture_bytes, "sizes": pieces.sizes}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--points", default="128:512:512,64:1024:512,128:512:2048",
@@ -159,37 +169,47 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke check: a 2-layer model")
     ap.add_argument("--out-dir", default="bench/results")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the mixed steps")
+    ap.add_argument("--cudagraph-modes", default="FULL_AND_PIECEWISE,FULL_DECODE_ONLY",
+                    help="engines to compare, one after the other (comma-separated)")  # fmt: skip
     args = ap.parse_args()
     points = [tuple(int(x) for x in p.split(":")) for p in args.points.split(",")]
+    modes = args.cudagraph_modes.split(",")
     if args.tiny:
         points = [(4, 32, 16)]
     ceil = None if args.tiny else ceilings()
-    results: dict = {"ceilings": ceil, "points": []}
+    results: dict = {"ceilings": ceil, "points": [], "capture": {}}
     with tempfile.TemporaryDirectory() as tmp:
         shape = TINY if args.tiny else None
         path = make_config_dir("qwen3-8b", Path(tmp), shape)
-        llms: dict[int, LLM] = {}
-        for i, (batch, ctx, chunk) in enumerate(points):
-            if chunk not in llms:
-                llms.clear()  # one engine on the GPU at a time
-                llms[chunk] = make_llm(path, chunk, args.tiny)
-            results["points"].append(
-                point(llms[chunk], batch, ctx, chunk, ceil, i, args.host_profile)
-            )
-            print({k: v for k, v in results["points"][-1].items() if k != "host_top"}, flush=True)
+        for mode in modes:
+            llms: dict[int, LLM] = {}
+            for i, (batch, ctx, chunk) in enumerate(points):
+                if chunk not in llms:
+                    llms.clear()  # one engine on the GPU at a time
+                    llms[chunk] = make_llm(path, chunk, args.tiny, mode)
+                    results["capture"][mode] = capture_stats(llms[chunk])
+                res = point(llms[chunk], batch, ctx, chunk, ceil, i, args.host_profile)
+                results["points"].append({"cudagraph_mode": mode, **res})
+                print({k: v for k, v in results["points"][-1].items() if k != "host_top"},
+                      flush=True)  # fmt: skip
+            llms.clear()  # the next engine needs the memory
     config = {"model_shape": "tiny" if args.tiny else "qwen3-8b", "weights": "dummy",
-              "points": args.points, "tiny": args.tiny}  # fmt: skip
+              "points": args.points, "tiny": args.tiny, "cudagraph_modes": modes}  # fmt: skip
     write_result("mixed_step", config, results, Path(args.out_dir))
     rows = []
     for r in results["points"]:
         gpu = f"{r['mixed_gpu_ms']:.1f}" if "mixed_gpu_ms" in r else "-"
         roof = f"{r['mixed_roofline_ms']:.1f}" if "mixed_roofline_ms" in r else "-"
-        rows.append((f"{r['batch']} x {r['ctx']} + {r['chunk']}", f"{r['decode_step_ms']:.1f}",
+        shape = f"{r['batch']} x {r['ctx']} + {r['chunk']}"
+        rows.append((r["cudagraph_mode"], shape, f"{r['decode_step_ms']:.1f}",
                      f"{r['mixed_step_ms']:.1f}", gpu, roof))  # fmt: skip
-    print_table(rows, ("decodes x ctx + chunk", "decode ms", "mixed ms", "GPU ms", "roofline ms"))
+    print_table(
+        rows, ("graphs", "decodes x ctx + chunk", "decode ms", "mixed ms", "GPU ms", "roofline ms")
+    )
     for r in results["points"]:
         if "host_top" in r:
-            print(f"host, {r['batch']} x {r['ctx']} + {r['chunk']}: ms per step (own / cum), calls")
+            print(f"host, {r['cudagraph_mode']}, {r['batch']} x {r['ctx']} + {r['chunk']}: "
+                  "ms per step (own / cum), calls")  # fmt: skip
             for h in r["host_top"][:12]:
                 print(f"  {h['own_ms_per_step']:6.2f} {h['cum_ms_per_step']:6.2f} "
                       f"{h['calls_per_step']:6.0f}  {h['func'][-70:]}")  # fmt: skip

@@ -186,6 +186,11 @@ def main() -> None:
         help="concurrencies to run again on a colocated server without --prefill-backlog-steps "
         "(modes['colocated_fixed_cap']), e.g. 256",
     )  # fmt: skip
+    ap.add_argument(
+        "--compare-decode-graphs-only", default="",
+        help="concurrencies to run again on a colocated server with CUDA graphs for decode-only "
+        "steps alone, no piecewise graphs (modes['colocated_decode_graphs_only']), e.g. 64",
+    )  # fmt: skip
     args = ap.parse_args()
     i = ENGINE_FLAGS.index("--max-num-batched-tokens")
     ENGINE_FLAGS[i + 1] = str(args.max_num_batched_tokens)
@@ -208,6 +213,9 @@ def main() -> None:
         runs.append(("colocated_uncapped", 0, uncapped_flags, args.compare_uncapped))
     if args.compare_fixed_cap:
         runs.append(("colocated_fixed_cap", 0, fixed_cap_flags, args.compare_fixed_cap))
+    if args.compare_decode_graphs_only:
+        flags = [*ENGINE_FLAGS, "--compilation-config.cudagraph_mode", "FULL_DECODE_ONLY"]
+        runs.append(("colocated_decode_graphs_only", 0, flags, args.compare_decode_graphs_only))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -63,7 +63,8 @@ class AttentionBackend(ABC):
     then returns causal attention of each sequence's queries over its whole context (cached
     prefix + new tokens) read through its block table. q: [T, Hq, D]; k, v: [T, Hkv, D];
     returns [T, Hq, D]. Backends must not depend on tokens of other sequences in the batch.
-    `kv_written=True`: the caller already stored K/V (the CUDA path fuses the store into RoPE)."""
+    `kv_written=True`: the caller already stored K/V (the CUDA path fuses the store into RoPE).
+    `out` [T, Hq, D], contiguous: where to write the result (a CUDA graph's static buffer)."""
 
     @abstractmethod
     def forward(
@@ -75,6 +76,7 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         kv_written: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -98,12 +100,14 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class TorchPagedAttention(AttentionBackend):
     """Reference backend: torch ops, one sequence at a time. CPU default and test oracle."""
 
-    def forward(self, q, k, v, kv_layer, meta, scale, kv_written=False):
+    def forward(self, q, k, v, kv_layer, meta, scale, kv_written=False, out=None):
         if not kv_written:
             write_kv(kv_layer, k, v, meta.slot_mapping)
         if meta.max_query_len == 1 and meta.num_seqs > 1:
-            return _batched_decode(q, kv_layer, meta, scale)
-        out = torch.empty_like(q)
+            o = _batched_decode(q, kv_layer, meta, scale)
+            return o if out is None else out.copy_(o)
+        if out is None:
+            out = torch.empty_like(q)
         num_q_heads, num_kv_heads = q.shape[1], kv_layer.shape[3]
         bs = meta.block_size
         for i in range(meta.num_seqs):

@@ -43,21 +43,24 @@ class TritonPagedAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         kv_written: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not kv_written:
             kv_cache_write(k, v, kv_layer, meta.slot_mapping)
         if meta.max_query_len == 1:
             assert q.shape[0] == meta.seq_lens.shape[0], "decode: one query row per sequence"
             max_seq_len = self.static_max_seq_len or meta.max_seq_len
-            return self._decode(q, kv_layer, meta.block_tables, meta.seq_lens, scale, max_seq_len)
+            tables, lens = meta.block_tables, meta.seq_lens
+            return self._decode(q, kv_layer, tables, lens, scale, max_seq_len, out)
         d = meta.num_decodes
         if d == 0:
             return prefill_attention(
                 q, kv_layer, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
-                max_query_len=meta.max_query_len,
+                max_query_len=meta.max_query_len, out=out,
             )  # fmt: skip
-        # Mixed (eager, never captured): rows 0..d-1 are the decodes' single queries.
-        out = torch.empty_like(q)
+        # Mixed (eager; captured only piecewise, around it): rows 0..d-1 are the decodes.
+        if out is None:
+            out = torch.empty_like(q)
         tables, lens = meta.block_tables, meta.seq_lens
         self._decode(q[:d], kv_layer, tables[:d], lens[:d], scale, meta.decode_max_seq_len, out[:d])
         prefill_attention(

@@ -50,6 +50,9 @@ def _resolve_dtype(
     return cfg_dtype
 
 
+CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str
@@ -59,6 +62,9 @@ class ModelConfig:
     max_model_len: int
     load_format: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs
+    # vLLM's compilation_config.cudagraph_mode, the two modes this engine has: whole-model
+    # graphs for decode-only steps, plus piecewise ones (all but attention) for the others.
+    cudagraph_mode: str = "FULL_AND_PIECEWISE"
     # The HF generation_config.json contents, or {} when `generation_config="vllm"`.
     generation_config: dict[str, Any] = field(default_factory=dict)
     tokenizer: str | None = None
@@ -68,6 +74,11 @@ class ModelConfig:
     def __post_init__(self) -> None:
         assert self.load_format in ("auto", "safetensors", "dummy"), self.load_format
         assert self.max_model_len > 0
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(
+                f"cudagraph_mode {self.cudagraph_mode!r} is not supported; use one of "
+                f"{list(CUDAGRAPH_MODES)} (or enforce_eager=True for no CUDA graphs)."
+            )
 
     @property
     def head_dim(self) -> int:
@@ -371,6 +382,7 @@ class EngineConfig:
         async_scheduling: bool | None = None,
         load_format: str = "auto",
         enforce_eager: bool = False,
+        cudagraph_mode: str = "FULL_AND_PIECEWISE",
         generation_config: str = "auto",
         device: str = "auto",
         seed: int = 0,
@@ -416,6 +428,7 @@ class EngineConfig:
             max_model_len=max_model_len,
             load_format=load_format,
             enforce_eager=enforce_eager,
+            cudagraph_mode=cudagraph_mode,
             generation_config=gen_cfg,
             tokenizer=tokenizer,
             seed=seed,

@@ -26,6 +26,7 @@ from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs, capture_sizes
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.models import get_model_class
+from engine.piecewise_graph import PiecewiseGraphs, capture_token_sizes
 from engine.request import Request
 from engine.sampler import (
     Sampler,
@@ -90,6 +91,7 @@ class ModelRunner:
         self.attn_backend: AttentionBackend = self._make_backend()
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None  # prefill and mixed steps
         self.grammar_bitmask = None  # structured outputs: made for the first constrained row
         self.num_async_grammar_steps = 0  # launched steps masked after their forward
 
@@ -262,6 +264,10 @@ class ModelRunner:
             mc.max_model_len,
         )
         self.graphs.capture(capture_sizes(max_bs))
+        if mc.cudagraph_mode == "FULL_AND_PIECEWISE":
+            sizes = capture_token_sizes(sc.max_num_batched_tokens)
+            self.piecewise = PiecewiseGraphs(self.model, self.kv_cache, self.attn_backend, sizes)
+            self.piecewise.capture()
 
     # ---- one step ------------------------------------------------------------------------
     def _prepare(self, sched: SchedulerOutput, kv: KVCacheManager):
@@ -391,17 +397,21 @@ class ModelRunner:
         """Hidden states of every new token: one H2D copy of the batch, one forward."""
         bs = self.block_size
         n_tok, n_seq = len(input_ids), len(seq_lens)
+        # Piecewise graphs: ids, positions and slots padded to the captured size p (w rows).
+        p = self.piecewise.bucket(n_tok) if self.piecewise is not None else None
+        w = p or n_tok
         positions = np.hstack(pos_parts)
         slots = np.hstack(slot_parts)
         width = max(cdiv(n, bs) for n in seq_lens)
         # One host buffer, one copy: [ids | positions | slots | seq_lens | qsl | tables].
-        o = 3 * n_tok + 2 * n_seq + 1
+        o = 3 * w + 2 * n_seq + 1
         host = np.zeros(o + n_seq * width, dtype=np.int64)
         host[:n_tok] = input_ids
-        host[n_tok : 2 * n_tok] = positions
-        host[2 * n_tok : 3 * n_tok] = slots
-        host[3 * n_tok : 3 * n_tok + n_seq] = seq_lens
-        host[3 * n_tok + n_seq : o] = qsl
+        host[w : w + n_tok] = positions
+        host[2 * w : 2 * w + n_tok] = slots
+        host[2 * w + n_tok : 3 * w] = -1  # padding rows store no K/V
+        host[3 * w : 3 * w + n_seq] = seq_lens
+        host[3 * w + n_seq : o] = qsl
         table_view = host[o:].reshape(n_seq, width)
         for i, t in enumerate(tables):
             table_view[i, : cdiv(seq_lens[i], bs)] = t[: cdiv(seq_lens[i], bs)]
@@ -411,9 +421,9 @@ class ModelRunner:
             if self.device.type == "cpu"
             else host_t.pin_memory().to(self.device, non_blocking=True)
         )
-        ids_t, pos_t, slots_t = dev[:n_tok], dev[n_tok : 2 * n_tok], dev[2 * n_tok : 3 * n_tok]
-        lens_t = dev[3 * n_tok : 3 * n_tok + n_seq].to(torch.int32)
-        qsl_t = dev[3 * n_tok + n_seq : o].to(torch.int32)
+        ids_t, pos_t, slots_t = dev[:n_tok], dev[w : w + n_tok], dev[2 * w : 2 * w + n_tok]
+        lens_t = dev[3 * w : 3 * w + n_seq].to(torch.int32)
+        qsl_t = dev[3 * w + n_seq : o].to(torch.int32)
         tables_t = dev[o:].view(n_seq, width).to(torch.int32)
         meta = AttentionMetadata(
             slot_mapping=slots_t,
@@ -426,6 +436,8 @@ class ModelRunner:
             max_query_len=max_query_len,
             max_seq_len=max(seq_lens),
         )
+        if p is not None:
+            return self.piecewise.run(dev[: 3 * p], n_tok, meta)
         return self._forward(ids_t, pos_t, meta)
 
     def _forward(self, input_ids, positions, meta) -> torch.Tensor:

@@ -21,7 +21,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig, SpeculativeConfig, StructuredOutputsConfig
+from engine.config import (
+    CUDAGRAPH_MODES,
+    EngineConfig,
+    SpeculativeConfig,
+    StructuredOutputsConfig,
+)
 from engine.engine_core import EngineCore
 from engine.kv_events import EventBatch, KVEventSource, LoadSnapshot
 from engine.params_proto import (  # noqa: F401  (re-exported for the services)
@@ -158,6 +163,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true", help="no CUDA graphs (default: graphs on CUDA)"
     )
     parser.add_argument(
+        "--compilation-config.cudagraph_mode",
+        dest="cudagraph_mode",
+        choices=CUDAGRAPH_MODES,
+        default="FULL_AND_PIECEWISE",
+        help="CUDA graphs, as vLLM's compilation config spells them: whole-model graphs for "
+        "decode-only steps, plus piecewise graphs (all but attention) for steps with prompt "
+        "tokens (FULL_AND_PIECEWISE, default), or decode graphs only (FULL_DECODE_ONLY)",
+    )
+    parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -226,6 +240,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        cudagraph_mode=getattr(args, "cudagraph_mode", "FULL_AND_PIECEWISE"),
         async_scheduling=args.async_scheduling,
         structured_outputs_config=StructuredOutputsConfig(
             backend=getattr(args, "structured_outputs_backend", "auto")

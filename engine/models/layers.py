@@ -27,11 +27,24 @@ class Linear(nn.Linear):
 
     pad_rows_to: int = 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: write the result there (a CUDA graph's static buffer) without a copy."""
         m = x.shape[0]
         if 0 < m < self.pad_rows_to:
-            return F.linear(F.pad(x, (0, 0, 0, self.pad_rows_to - m)), self.weight, self.bias)[:m]
-        return F.linear(x, self.weight, self.bias)
+            y = F.linear(F.pad(x, (0, 0, 0, self.pad_rows_to - m)), self.weight, self.bias)[:m]
+            return y if out is None else out.copy_(y)
+        if out is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(self.bias, x, self.weight.t(), out=out)
+
+
+def linear_into(layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """layer(x) written into `out`: in the GEMM for our Linear, a copy for others (FP8)."""
+    if isinstance(layer, Linear):
+        return layer(x, out=out)
+    return out.copy_(layer(x))
 
 
 @torch.inference_mode()
@@ -133,10 +146,7 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
 
     def forward(self, x, cos, sin, kv_layer, meta: AttentionMetadata, backend: AttentionBackend):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.split_qkv(self.qkv_proj(x))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -146,13 +156,18 @@ class Attention(nn.Module):
     def forward_fused(self, x, positions, cos_sin_cache, kv_layer, meta, backend):
         """CUDA: (q/k-norm +) RoPE and the KV-cache store in one kernel over views of the qkv
         output; the backend then only attends."""
+        q, k, v = self.qkv_rope(x, positions, cos_sin_cache, kv_layer, meta.slot_mapping)
+        o = backend.forward(q, k, v, kv_layer, meta, self.scale, kv_written=True)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+    def qkv_rope(self, x, positions, cos_sin_cache, kv_layer, slot_mapping, out=None):
+        """The fused path up to attention: qkv_proj (into `out` if given), then one kernel for
+        the q/k norms, RoPE and the K/V store at `slot_mapping` (< 0: no store). Returns the
+        q, k, v views [T, heads, head_dim] of the qkv rows."""
         from kernels.rotary import rotary_embedding
 
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x) if out is None else linear_into(self.qkv_proj, x, out)
+        q, k, v = self.split_qkv(qkv)
         has_norm = self.q_norm is not None
         rotary_embedding(
             positions,
@@ -164,10 +179,17 @@ class Attention(nn.Module):
             self.q_norm.eps if has_norm else 1e-6,
             v=v,
             kv_layer=kv_layer,
-            slot_mapping=meta.slot_mapping,
+            slot_mapping=slot_mapping,
         )
-        o = backend.forward(q, k, v, kv_layer, meta, self.scale, kv_written=True)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return q, k, v
+
+    def split_qkv(self, qkv: torch.Tensor):
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (
+            q.view(-1, self.num_heads, self.head_dim),
+            k.view(-1, self.num_kv_heads, self.head_dim),
+            v.view(-1, self.num_kv_heads, self.head_dim),
+        )
 
 
 class MLP(nn.Module):

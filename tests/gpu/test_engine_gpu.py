@@ -17,15 +17,34 @@ pytestmark = GPU_ONLY
 PROMPTS = [list(range(3, 60)), [5, 6, 7], list(range(100, 400, 3)), [9] * 33]
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_gpu_fp32_equals_cpu(tiny_model_path, enforce_eager):
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "eager"])
+def test_gpu_fp32_equals_cpu(tiny_model_path, mode):
+    """With piecewise graphs, 60-token steps: prompt chunks and mixed steps replay pieces (a
+    20-token step padded to the 24-token pieces)."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     kw = dict(max_model_len=256, dtype="float32", num_gpu_blocks_override=128)
+    kw["max_num_batched_tokens"] = 60
     cpu = LLM(str(tiny_model_path), device="cpu", **kw).generate(PROMPTS, params)
-    gpu = LLM(str(tiny_model_path), device="cuda", enforce_eager=enforce_eager, **kw)
-    assert (gpu.engine.runner.graphs is None) == enforce_eager
+    graphs = {} if mode == "eager" else {"cudagraph_mode": mode}
+    gpu = LLM(
+        str(tiny_model_path),
+        device="cuda",
+        enforce_eager=mode == "eager",
+        **graphs,
+        **kw,
+    )
+    runner = gpu.engine.runner
+    assert (runner.graphs is None) == (mode == "eager")
+    assert (runner.piecewise is not None) == (mode == "FULL_AND_PIECEWISE")
+    steps = []
+    if runner.piecewise is not None:
+        run = runner.piecewise.run
+        runner.piecewise.run = lambda x, n, meta: steps.append(n) or run(x, n, meta)
     out = gpu.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in cpu]
+    if mode == "FULL_AND_PIECEWISE":
+        sizes = runner.piecewise.sizes
+        assert 60 in steps and any(n not in sizes for n in steps), "full and padded pieces ran"
 
 
 def test_cuda_graph_replay_equals_eager_bf16(tiny_qwen3_path):
