@@ -264,7 +264,8 @@ class ModelRunner:
             mc.max_model_len,
         )
         self.graphs.capture(capture_sizes(max_bs))
-        if mc.cudagraph_mode == "FULL_AND_PIECEWISE":
+        # The pieces are the fused (Triton) forward's ops: not for a model forced onto torch's.
+        if mc.cudagraph_mode == "FULL_AND_PIECEWISE" and self.model.use_fused_kernels is not False:
             sizes = capture_token_sizes(sc.max_num_batched_tokens)
             self.piecewise = PiecewiseGraphs(self.model, self.kv_cache, self.attn_backend, sizes)
             self.piecewise.capture()
