@@ -62,12 +62,16 @@ def test_capture_sizes_cover_the_budget_up_to_the_cap():
         assert large <= max(small * 1.5, 64), "padding past a third of a step over 64 tokens"
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
 @torch.inference_mode()
-def test_pieces_match_the_fused_forward_and_padding_rows_store_nothing(tiny_qwen3_path):
+def test_pieces_match_the_fused_forward_and_padding_rows_store_nothing(
+    tiny_qwen3_path, quantization
+):
     """Two decodes, a chunk after a cached prefix and a fresh prompt: 11 tokens padded to 16.
     The K/V cache starts as noise: every slot but the 11 real ones must come out untouched
-    (a padding row given slot 0 instead of -1 would overwrite the null block)."""
-    kw = dict(max_model_len=256, num_gpu_blocks_override=64)  # a small cache to fill
+    (a padding row given slot 0 instead of -1 would overwrite the null block). FP8 weights:
+    their linear layers write qkv through a copy, not the GEMM's `out`."""
+    kw = dict(max_model_len=256, num_gpu_blocks_override=64, quantization=quantization)
     _, runner = _fused_runner(tiny_qwen3_path, dtype="float32", enforce_eager=True, **kw)
     on_gpu = runner.kv_cache.is_cuda
     dev = runner.kv_cache.device
