@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.attention import AttentionMetadata
 from engine.attention_triton import TritonPagedAttention
 from engine.piecewise_graph import MAX_CAPTURE_TOKENS, PiecewiseGraphs, capture_token_sizes
-from tests.engine.test_attention_triton import _torch_path_greedy
+from tests.engine.test_attention_triton import _meta, _torch_path_greedy
 from tests.kernels.helpers import test_device
 
 
@@ -28,29 +27,15 @@ def _batch(runner, computed: list[int], new: list[int], dev: torch.device):
     """A mixed batch as the scheduler orders it (decodes first) over disjoint blocks 1..;
     returns (input ids, positions, slots, metadata)."""
     bs = runner.block_size
-    ids, pos, slots, qsl, tables, next_block = [], [], [], [0], [], 1
+    tables, next_block = [], 1
     for c, n in zip(computed, new):
         nb = -(-(c + n) // bs)
-        table = list(range(next_block, next_block + nb))
+        tables.append(list(range(next_block, next_block + nb)) + [0] * (8 - nb))
         next_block += nb
-        tables.append(table + [0] * (8 - nb))
-        ids += [(7 * p + 3) % 100 for p in range(c, c + n)]
-        pos += list(range(c, c + n))
-        slots += [table[p // bs] * bs + p % bs for p in range(c, c + n)]
-        qsl.append(qsl[-1] + n)
-    lens = [c + n for c, n in zip(computed, new)]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=dev),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=lens,
-        block_size=bs,
-        max_query_len=max(new),
-        max_seq_len=max(lens),
-    )
-    return ids, pos, slots, meta
+    meta = _meta(computed, new, torch.tensor(tables, dtype=torch.int32, device=dev), bs)
+    pos = [p for c, n in zip(computed, new) for p in range(c, c + n)]
+    ids = [(7 * p + 3) % 100 for p in pos]
+    return ids, pos, meta.slot_mapping.tolist(), meta
 
 
 def test_capture_sizes_cover_the_budget_up_to_the_cap():
