@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -107,8 +108,16 @@ def stop_serve(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def ttft_p50_by_wave_ms(r: dict) -> list[float]:
+    """Median TTFT of each window of `max_concurrency` requests, in request order: how far the
+    synchronized start (every client sends at t=0) still shows in later requests."""
+    ttfts, c = r.get("ttfts") or [], r["max_concurrency"]
+    return [1e3 * statistics.median(ttfts[i : i + c]) for i in range(0, len(ttfts), c)]
+
+
 def point_figures(r: dict, offline: float) -> dict:
     return {
+        "ttft_p50_by_wave_ms": ttft_p50_by_wave_ms(r),
         "output_tok_s": r["output_throughput"],
         "ratio_to_offline": r["output_throughput"] / offline if offline else None,
         "errors": r["failed"],
