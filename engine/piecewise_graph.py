@@ -16,9 +16,11 @@ forward is cut at its attention calls into num_layers + 1 pieces, each captured 
     piece L      o_proj -> add + RMSNorm -> MLP -> add + final RMSNorm           (layer L - 1)
 
 Between pieces the attention backend runs eagerly on the step's real rows, since its kernels'
-grids follow the batch's sequences. The ops run are those of `DecoderForCausalLM._forward_fused`
-in the same order. Pieces read and write static buffers sized for the largest T (token ids,
-positions, slots, residual, qkv, attention output, final hidden states). A step of n tokens
+grids follow the batch's sequences. The pieces call the layers' own halves of the fused path
+(`DecoderLayer.input_norm_fused`, `Attention.qkv_rope`, `DecoderLayer.mlp_fused`), the code
+`DecoderForCausalLM._forward_fused` runs, in the same order. Pieces read and write static
+buffers sized for the largest T (token ids, positions, slots, residual, qkv, attention output,
+final hidden states). A step of n tokens
 runs the smallest T >= n; rows n..T are token 0 at position 0 with slot -1, which the RoPE
 kernel does not store. Every captured op is row-wise (GEMMs, norms, per-token FP8 scales), so
 padding rows never change real ones. Steps larger than the ladder run eagerly: there the GPU's
@@ -82,26 +84,23 @@ class PiecewiseGraphs:
         return self.inputs[:t], self.inputs[t : 2 * t], self.inputs[2 * t : 3 * t]
 
     def _piece(self, t: int, i: int) -> None:
-        from kernels.rms_norm import fused_add_rms_norm, rms_norm
+        from kernels.rms_norm import fused_add_rms_norm
 
         model, layers = self.model, self.model.layers
         ids, positions, slots = self._views(t)
         residual = self.residual[:t]
         if i == 0:
             residual.copy_(model.embed_tokens(ids))
-            norm = layers[0].input_layernorm
-            x = rms_norm(residual, norm.weight, norm.eps)
+            x, _ = layers[0].input_norm_fused(residual, None)
         else:
             prev = layers[i - 1]
-            x = prev.self_attn.o_proj(self.attn_out[:t])
-            post = prev.post_attention_layernorm
-            x, _ = fused_add_rms_norm(x, residual, post.weight, post.eps)
-            x = prev.mlp.forward_fused(x)
-            norm = layers[i].input_layernorm if i < self.num_layers else model.norm
-            x, _ = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+            x, _ = prev.mlp_fused(prev.self_attn.o_proj(self.attn_out[:t]), residual)
             if i == self.num_layers:
+                norm = model.norm
+                x, _ = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
                 self.hidden[:t].copy_(x)
                 return
+            x, _ = layers[i].input_norm_fused(x, residual)
         cache = model._cos_sin_cache(x.dtype, x.device)
         layers[i].self_attn.qkv_rope(
             x, positions, cache, self.kv_cache[:, i], slots, out=self.qkv[:t]

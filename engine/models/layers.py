@@ -230,14 +230,25 @@ class DecoderLayer(nn.Module):
     def forward_fused(self, x, residual, positions, cos_sin_cache, kv_layer, meta, backend):
         """CUDA, vLLM-style: the residual add is fused into the next RMSNorm. Returns
         (x, residual) with the layer's output = x + residual."""
+        x, residual = self.input_norm_fused(x, residual)
+        x = self.self_attn.forward_fused(x, positions, cos_sin_cache, kv_layer, meta, backend)
+        return self.mlp_fused(x, residual)
+
+    def input_norm_fused(self, x, residual):
+        """The fused path before qkv_proj: RMSNorm of x (the first layer: no residual yet, x
+        becomes it) or of x + residual (in place). Returns (normed x, residual)."""
         from kernels.rms_norm import fused_add_rms_norm, rms_norm
 
-        eps = self.input_layernorm.eps
+        norm = self.input_layernorm
         if residual is None:
-            residual = x
-            x = rms_norm(x, self.input_layernorm.weight, eps)
-        else:
-            x, residual = fused_add_rms_norm(x, residual, self.input_layernorm.weight, eps)
-        x = self.self_attn.forward_fused(x, positions, cos_sin_cache, kv_layer, meta, backend)
-        x, residual = fused_add_rms_norm(x, residual, self.post_attention_layernorm.weight, eps)
+            return rms_norm(x, norm.weight, norm.eps), x
+        return fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+
+    def mlp_fused(self, x, residual):
+        """The fused path after o_proj: add + RMSNorm (in place), MLP. Returns (x, residual)
+        with the layer's output = x + residual."""
+        from kernels.rms_norm import fused_add_rms_norm
+
+        norm = self.post_attention_layernorm
+        x, residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
         return self.mlp.forward_fused(x), residual
