@@ -164,7 +164,11 @@ def main() -> None:
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--concurrency", default="64,256,512")
-    ap.add_argument("--modes", default="pd,colocated")
+    ap.add_argument(
+        "--modes", default="pd,colocated",
+        help="pd and/or colocated, each with its own concurrencies after a colon if given: "
+        "'pd,colocated:512' or 'colocated:64+256'",
+    )  # fmt: skip
     ap.add_argument("--no-offline", dest="offline", action="store_false")
     ap.add_argument(
         "--long-prefill-token-threshold",
@@ -223,8 +227,11 @@ def main() -> None:
     fixed_cap_flags = list(ENGINE_FLAGS)
     if args.prefill_backlog_steps:
         ENGINE_FLAGS.extend(["--prefill-backlog-steps", str(args.prefill_backlog_steps)])
-    runs = [(mode, 1 if mode == "pd" else 0, ENGINE_FLAGS, args.concurrency)
-            for mode in args.modes.split(",")]  # fmt: skip
+    runs = []
+    for spec in args.modes.split(","):
+        mode, _, concurrencies = spec.partition(":")
+        concurrencies = concurrencies.replace("+", ",") or args.concurrency
+        runs.append((mode, 1 if mode == "pd" else 0, ENGINE_FLAGS, concurrencies))
     if args.compare_uncapped:
         runs.append(("colocated_uncapped", 0, uncapped_flags, args.compare_uncapped))
     if args.compare_fixed_cap:
