@@ -3,7 +3,11 @@
 Speed (Qwen3-8B shape, dummy weights; the copy and matmul ceilings measured in the same run):
 - decode step time at batch 1, 8 and 32 (context 512), bf16 and `quantization="fp8"`, each
   next to its floor (weight + KV bytes) / copy bandwidth; the target is batch-1 fp8 <= 0.6 x bf16;
-- offline throughput, N prompts of 512 in / 128 out (target fp8 >= 1.3 x bf16).
+- offline throughput, N prompts of 512 in / 128 out (target fp8 >= 1.3 x bf16);
+- each decoder GEMM of that shape alone at 1, 8 and 32 rows (GPU time, CUDA graphs): bf16,
+  FP8 W8A8 (`torch._scaled_mm` after quantizing the activations) and FP8 weight-only (the
+  Triton kernel decode sizes use, its default tile and the one tuned at start-up), each next
+  to its weight bytes' floor.
 Accuracy (SmolLM2-135M-Instruct, real weights, bf16 vs FP8 weights, both on the GPU): the bf16
 model writes greedy continuations of a few prompts (a few thousand positions in all); both
 models then score those texts (`prompt_logprobs=20`): top-1 agreement of the next-token
@@ -54,6 +58,69 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
+GEMM_SHAPES = {  # Qwen3-8B's decoder projections: (in, out)
+    "qkv": (4096, 6144),
+    "o": (4096, 4096),
+    "gate_up": (4096, 24576),
+    "down": (12288, 4096),
+}
+
+
+def _graph_us(fn, reps: int = 20, replays: int = 5) -> float:
+    """GPU microseconds per call of `fn`: `reps` calls captured in a CUDA graph, replayed."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return 1e3 * start.elapsed_time(end) / (reps * replays)
+
+
+def _gemm_row(w: torch.Tensor, lin, best, m: int, ceil: dict) -> dict:
+    from kernels.fp8_gemm import default_config, fp8_weight_gemm
+
+    n, k = w.shape
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    return {
+        "bf16_us": _graph_us(lambda: torch.nn.functional.linear(x, w)),
+        "w8a8_us": _graph_us(lambda: lin.w8a8(x)),
+        "weight_only_default_us": _graph_us(
+            lambda: fp8_weight_gemm(x, lin.weight, lin.weight_scale)
+        ),
+        "weight_only_tuned_us": _graph_us(
+            lambda: fp8_weight_gemm(x, lin.weight, lin.weight_scale, config=best)
+        ),
+        "bf16_floor_us": 2 * n * k / (ceil["copy_GBps"] * 1e3),
+        "fp8_floor_us": n * k / (ceil["copy_GBps"] * 1e3),
+        "tuned": f"{best.block_n}x{best.block_k}/s{best.num_stages}",
+        "default": str(default_config(n, x.device)),
+    }
+
+
+@torch.inference_mode()
+def gemms(ceil: dict) -> dict:
+    from engine.quantization import Fp8Linear
+    from kernels.fp8_gemm import choose_config
+
+    out: dict = {}
+    for name, (k, n) in GEMM_SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        lin = Fp8Linear(w, None)
+        best, _ = choose_config(lin.weight, lin.weight_scale)
+        for m in BATCHES:
+            out[f"{name}_m{m}"] = _gemm_row(w, lin, best, m, ceil)
+    _free()
+    return out
+
+
 def speed(path: Path, quantization: str | None, ceil: dict, num_prompts: int) -> dict:
     llm = dummy_llm(path, quantization=quantization)
     runner = llm.engine.runner
@@ -63,12 +130,21 @@ def speed(path: Path, quantization: str | None, ceil: dict, num_prompts: int) ->
     )
     step_times(llm, random_prompts(2, 64, 99), 8)  # warm-up
     res: dict = {"weight_GB": weight_bytes / 1e9}
+    tiles = {  # the weight-only kernel's tiles tuned at start-up (fp8), per weight shape
+        f"{m.in_features}->{m.out_features}": str(m.small_m_config)
+        for m in runner.model.modules()
+        if hasattr(m, "small_m_config")
+    }
+    if tiles:
+        res["small_m_tiles"] = tiles
     for b in BATCHES:
         _, step = step_times(llm, random_prompts(b, 512, b), 64)
         floor = (weight_bytes + b * 544 * kv_tok) / (ceil["copy_GBps"] * 1e9)
         res[f"b{b}"] = {"step_ms": step * 1e3, "floor_ms": floor * 1e3, "over_floor": step / floor}
     del llm, runner
     _free()
+    if not num_prompts:
+        return res
     kwargs = {"quantization": quantization} if quantization else {}
     res["offline"] = offline(path, num_prompts, 256, 8192, n_params, ceil, **kwargs)
     _free()
@@ -127,19 +203,30 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--skip-speed", action="store_true", help="the accuracy report alone")
+    ap.add_argument("--skip-offline", action="store_true", help="decode steps and GEMMs only")
     args = ap.parse_args()
     results: dict = {}
     if not args.skip_speed:
         ceil = results["ceilings"] = ceilings()
+        results["gemms"] = gemms(ceil)
+        print_table(
+            [(g, *(f"{r[c]:.1f}" for c in ("bf16_us", "w8a8_us", "weight_only_default_us",
+                                           "weight_only_tuned_us", "fp8_floor_us")))
+             for g, r in results["gemms"].items()],
+            ("gemm", "bf16 us", "w8a8 us", "w-only us", "tuned us", "fp8 floor us"),
+        )  # fmt: skip
         with tempfile.TemporaryDirectory() as tmp:
             path = make_config_dir("qwen3-8b", Path(tmp))
             for mode, q in MODES.items():
-                results[mode] = speed(path, q, ceil, args.num_prompts)
+                results[mode] = speed(path, q, ceil, 0 if args.skip_offline else args.num_prompts)
         bf16, fp8 = results["bf16"], results["fp8"]
         results["fp8_over_bf16"] = {
-            **{f"b{b}_step": fp8[f"b{b}"]["step_ms"] / bf16[f"b{b}"]["step_ms"] for b in BATCHES},
-            "offline_tok_s": fp8["offline"]["output_tok_s"] / bf16["offline"]["output_tok_s"],
+            f"b{b}_step": fp8[f"b{b}"]["step_ms"] / bf16[f"b{b}"]["step_ms"] for b in BATCHES
         }
+        if not args.skip_offline:
+            results["fp8_over_bf16"]["offline_tok_s"] = (
+                fp8["offline"]["output_tok_s"] / bf16["offline"]["output_tok_s"]
+            )
     if not args.skip_accuracy:
         results["accuracy"] = accuracy()
     name = "fp8_gpu_accuracy" if args.skip_speed else "fp8_gpu"
@@ -147,7 +234,7 @@ def main() -> None:
     write_result(name, config, results, Path(args.out_dir))
     rows = [] if args.skip_speed else [
         (m, *(f"{results[m][f'b{b}']['step_ms']:.2f}" for b in BATCHES),
-         f"{results[m]['offline']['output_tok_s']:.0f}")
+         f"{results[m].get('offline', {}).get('output_tok_s', 0):.0f}")
         for m in MODES
     ]  # fmt: skip
     print_table(rows, ("weights", *(f"b{b} ms" for b in BATCHES), "offline tok/s"))

@@ -245,6 +245,10 @@ class ModelRunner:
         padded = {k: v for k, v in tune_small_m(self.model).items() if v["pad"]}
         if padded:
             logger.info("Small-batch GEMMs padded to 8 rows where cuBLAS is faster: %s", padded)
+        if mc.quantization == "fp8":
+            from engine.quantization import tune_fp8_small_m
+
+            logger.info("FP8 weight-only decode GEMM tiles: %s", tune_fp8_small_m(self.model))
         max_bs = min(sc.max_num_seqs, 512)
         self.attn_backend.reserve(
             max_bs,

@@ -12,14 +12,26 @@ weight in float8 e4m3 and the embeddings, norms and LM head stay in the model's 
 y = (x_fp8 @ w_fp8.T) * x_scale * w_scale^T (+ bias). On CUDA that is one `torch._scaled_mm`
 with row-wise scales (cuBLASLt/CUTLASS FP8 GEMM, Hopper and later); elsewhere the same
 arithmetic runs dequantized in float32, which is the reference the GPU path is tested against.
-Half the weight bytes of bf16: batch-1 decode, which streams every weight per token, is bound by
-exactly those bytes.
+
+Decode sizes (at most `kernels.fp8_gemm.MAX_M` rows) take the weight-only form instead:
+y = x @ (w_fp8 * w_scale).T with x unquantized, on CUDA by the Triton kernel of
+kernels/fp8_gemm.py, elsewhere dequantized in float32. Half the weight bytes of bf16: batch-1
+decode, which streams every weight per token, is bound by exactly those bytes, and quantizing a
+few rows of activations costs more launches than their GEMM (the W8A8 path at batch 1 was 1.57 x
+slower than bf16 on the H200).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
+
+from kernels.fp8_gemm import MAX_M as WEIGHT_ONLY_MAX_M
+from kernels.fp8_gemm import Fp8GemmConfig, choose_config, fp8_weight_gemm
+
+logger = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -49,7 +61,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Fp8Linear(nn.Module):
     """A linear layer with an e4m3 weight, per-output-channel weight scales and per-token
-    dynamic activation scales; output in the input's dtype."""
+    dynamic activation scales (weight-only at decode sizes); output in the input's dtype."""
+
+    small_m_config: Fp8GemmConfig | None = None  # the weight-only kernel's tiles (tuned on CUDA)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -62,6 +76,19 @@ class Fp8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= WEIGHT_ONLY_MAX_M:
+            if x.is_cuda:
+                x = x if x.stride(1) == 1 else x.contiguous()
+                return fp8_weight_gemm(
+                    x, self.weight, self.weight_scale, self.bias, config=self.small_m_config
+                )
+            return fp8_weight_only_reference(x, self.weight, self.weight_scale, self.bias).to(
+                x.dtype
+            )
+        return self.w8a8(x)
+
+    def w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        """The prefill-size path at any size: activations quantized per token."""
         x_q, x_scale = quantize_rows(x)
         if x.is_cuda:  # row-wise scaled FP8 GEMMs write bf16
             y = torch._scaled_mm(
@@ -82,6 +109,34 @@ def fp8_linear_reference(x_q, x_scale, w_q, w_scale, bias) -> torch.Tensor:
     """The arithmetic of `Fp8Linear`, dequantized in float32."""
     y = (x_q.float() @ w_q.float().t()) * x_scale * w_scale
     return y if bias is None else y + bias.float()
+
+
+def fp8_weight_only_reference(x, w_q, w_scale, bias) -> torch.Tensor:
+    """The weight-only form (decode sizes), dequantized in float32: x is not quantized."""
+    y = (x.float() @ w_q.float().t()) * w_scale.reshape(1, -1)
+    return y if bias is None else y + bias.float()
+
+
+@torch.inference_mode()
+def tune_fp8_small_m(model: nn.Module) -> dict[str, dict]:
+    """CUDA: for each distinct FP8 weight shape, time the weight-only kernel's candidate tiles
+    at one row and give every layer of that shape the fastest. Returns the timings (us)."""
+    by_shape: dict[tuple[int, int], list[Fp8Linear]] = {}
+    for mod in model.modules():
+        if isinstance(mod, Fp8Linear):
+            by_shape.setdefault(tuple(mod.weight.shape), []).append(mod)
+    report = {}
+    for (n, k), mods in by_shape.items():
+        best, times = choose_config(mods[0].weight, mods[0].weight_scale)
+        for mod in mods:
+            mod.small_m_config = best
+        report[f"{k}->{n}"] = {
+            "best": f"{best.block_n}x{best.block_k}/w{best.num_warps}/s{best.num_stages}",
+            "us": {
+                f"{c.block_n}x{c.block_k}/s{c.num_stages}": round(t, 2) for c, t in times.items()
+            },
+        }
+    return report
 
 
 @torch.inference_mode()

@@ -30,7 +30,7 @@ def _compile(jit, types: dict, constexprs: dict, num_warps: int = 4, num_stages:
 
 
 def compile_all() -> None:
-    from kernels import activation, kv_cache_write, prefill_attention, rms_norm, rotary
+    from kernels import activation, fp8_gemm, kv_cache_write, prefill_attention, rms_norm, rotary
     from kernels import paged_decode_attention as decode
 
     bf, ptrs = "*bf16", {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "qk_scale": "fp32"}
@@ -76,6 +76,15 @@ def compile_all() -> None:
                       WRITE_KV=write_kv, BLOCK_SIZE=16, FP8_MAX=fp8_max)  # fmt: skip
             _compile(rotary._kernel, types, cx)
     _compile(activation._kernel, dict(x_ptr=bf, out_ptr=bf), dict(BLOCK=1024))
+    types = dict(x_ptr=bf, w_ptr=fp8, scale_ptr="*fp32", bias_ptr=bf, y_ptr=bf)
+    for (
+        cfg
+    ) in fp8_gemm.CANDIDATES:  # --quantization fp8 at decode sizes: every tile, 16 and 32 rows
+        for block_m in (16, fp8_gemm.MAX_M):
+            cx = dict(HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                      DOT_PRECISION="tf32")  # fmt: skip
+            shared = _compile(fp8_gemm._kernel, types, cx, cfg.num_warps, cfg.num_stages)
+            assert shared <= H200_SHARED_BYTES, f"fp8 gemm {cfg} needs {shared} B of shared memory"
 
 
 def test_kernels_compile_for_sm90():

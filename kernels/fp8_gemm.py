@@ -1,0 +1,162 @@
+"""FP8 weights at decode batch sizes: y = x @ (w_fp8 * w_scale).T (+ bias), x in 16 bits.
+
+`--quantization fp8` keeps every decoder projection's weight in e4m3 with one scale per output
+channel (engine/quantization.py). At prefill sizes `torch._scaled_mm` runs it on the FP8 tensor
+cores, after quantizing the activations per token. At decode sizes (a few rows) that path is
+slower than bf16 (H200, Qwen3-8B batch 1: 7.6 vs 4.8 ms a step): per layer it adds the
+activation quantization's launches (abs, amax, divide, clamp, cast) to a GEMM that the
+tensor cores cannot fill at M=1. This kernel is the weight-only form for those sizes: it streams
+the FP8 weight (half of bf16's bytes, which is what a decode step is bound by), converts it to
+x's dtype in registers (exact: every e4m3 number is a bf16 number), multiplies by x in 16 bits
+with fp32 accumulation, and applies the channel scale and bias in fp32 before the one rounding
+to x's dtype. The activations stay unquantized, so the result is closer to the unquantized
+layer than the W8A8 path, not further.
+
+Tiling: one program computes a [BLOCK_M, BLOCK_N] tile of y over the whole of K (no split-K and
+no reduction pass: the program owns its sum). Decode has M <= BLOCK_M, so each weight byte is
+read once; BLOCK_N is kept small enough that the grid covers the GPU (N / BLOCK_N programs).
+`Fp8GemmConfig` holds the tile choice; `choose_config` times a few on the GPU once per weight
+shape (engine/quantization.py `tune_fp8_small_m`), and `default_config` is the heuristic used
+before or without that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.utils import num_sms
+
+FP8 = torch.float8_e4m3fn
+MAX_M = (
+    32  # the most rows this kernel is for: decode batches (one M tile; x's tile fits shared memory)
+)
+
+
+@triton.jit
+def _kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K,
+    stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < M
+    n_mask = rn < N
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
+    w_cols = w_ptr + rn[None, :] * stride_wn  # w is [N, K]: the tile is read as [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        k_mask = k < K
+        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_cols + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
+    scale = tl.load(scale_ptr + rn, mask=n_mask, other=0.0)
+    acc = acc * scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# What `choose_config` times on the GPU: narrow tiles for small N (a full grid), wider ones
+# and deeper K tiles where N alone fills the GPU.
+CANDIDATES = (
+    Fp8GemmConfig(16, 256, 4, 4),
+    Fp8GemmConfig(16, 512, 4, 3),
+    Fp8GemmConfig(32, 256, 4, 4),
+    Fp8GemmConfig(32, 512, 4, 3),
+    Fp8GemmConfig(64, 256, 4, 3),
+    Fp8GemmConfig(64, 128, 4, 4),
+)
+
+
+def default_config(n: int, device: torch.device) -> Fp8GemmConfig:
+    """The widest tile whose grid still has two programs per SM (weights are read once either
+    way; a wider tile only saves loads of x), else the narrowest."""
+    for block_n in (64, 32):
+        if triton.cdiv(n, block_n) >= 2 * num_sms(device):
+            return Fp8GemmConfig(block_n, 256, 4, 3 if block_n == 64 else 4)
+    return Fp8GemmConfig(16, 512, 4, 3)
+
+
+def fp8_weight_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: Fp8GemmConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] (bf16, fp16 or fp32, M <= MAX_M) times e4m3 `weight` [N, K] with fp32
+    `weight_scale` (N values, per output channel) -> [M, N] in x's dtype."""
+    assert x.dim() == 2 and weight.dim() == 2 and weight.dtype == FP8
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k, f"x has {k} columns, the weight {weight.shape[1]}"
+    assert m <= MAX_M, f"fp8_weight_gemm is for at most {MAX_M} rows, got {m}"
+    assert x.stride(1) == 1 and weight.stride(1) == 1
+    scale = weight_scale.reshape(-1)
+    assert scale.numel() == n and scale.dtype == torch.float32 and scale.is_contiguous()
+    if bias is not None:
+        assert bias.shape == (n,) and bias.is_contiguous()
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n) and out.stride(1) == 1 and out.dtype == x.dtype
+    if m == 0:
+        return out
+    cfg = config or default_config(n, x.device)
+    block_m = max(16, triton.next_power_of_2(m))
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: unused by 16-bit dots
+    _kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m))](
+        x, weight, scale, bias if bias is not None else scale, out, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def choose_config(
+    weight: torch.Tensor, weight_scale: torch.Tensor, rows: int = 1
+) -> tuple[Fp8GemmConfig, dict[Fp8GemmConfig, float]]:
+    """CUDA: the fastest of `CANDIDATES` for this weight at `rows` rows (bf16 input), in GPU
+    time: 20 launches captured in a CUDA graph, replayed 5 times (timed from Python, a Triton
+    launch costs more than these kernels run). Returns (it, {config: microseconds})."""
+    x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=torch.bfloat16)
+    out = torch.empty(rows, weight.shape[0], device=weight.device, dtype=torch.bfloat16)
+    times = {}
+    for cfg in CANDIDATES:
+        fp8_weight_gemm(x, weight, weight_scale, out=out, config=cfg)  # compile outside capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(20):
+                fp8_weight_gemm(x, weight, weight_scale, out=out, config=cfg)
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times[cfg] = 1e3 * start.elapsed_time(end) / 100
+        del graph
+    return min(times, key=times.get), times

@@ -1,0 +1,111 @@
+"""The weight-only FP8 GEMM (kernels/fp8_gemm.py) against torch's arithmetic on the same e4m3
+weight, and `Fp8Linear` choosing it at decode sizes.
+
+Reference: x @ (w_fp8.float() * scale).T (+ bias) in float64 on the unrounded inputs: converting
+e4m3 up is exact, so the only error allowed is the kernel's fp32 accumulation and the final
+rounding to x's dtype. 16-bit activations run on the GPU only: Triton's interpreter computes
+bf16 `tl.dot`s wrongly (numpy has no bf16; a 16 x 16 product came out ~1e10 off)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.quantization import (
+    Fp8Linear,
+    fp8_linear_reference,
+    fp8_weight_only_reference,
+    quantize_rows,
+)
+from kernels.fp8_gemm import CANDIDATES, MAX_M, default_config, fp8_weight_gemm
+from kernels.utils import is_interpreting
+from tests.kernels.helpers import max_rel_err, norm_rel_err, test_device
+
+DTYPES = [torch.float32] + ([] if is_interpreting() else [torch.bfloat16])
+
+
+def _weight(n: int, k: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    w[1] *= 50.0  # channels of different ranges: each scale must land on its own column
+    q, scale = quantize_rows(w)
+    return q.to(device), scale.reshape(-1).to(device)
+
+
+def _reference(x, q, scale, bias) -> torch.Tensor:
+    y = (x.double() @ q.double().t()) * scale.double()
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 32])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weight_only_gemm_equals_torch_on_the_same_fp8_weight(m, dtype):
+    """N and K not multiples of any tile (masked edges in both), rows 1..MAX_M (one M tile of
+    16 or 32), with and without bias, 32- and 16-bit activations."""
+    dev = test_device()
+    n, k = 40, 300
+    q, scale = _weight(n, k, 0, dev)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dev, dtype)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(dev, dtype)
+    for b in (None, bias):
+        out = fp8_weight_gemm(x, q, scale, b)
+        assert out.shape == (m, n) and out.dtype == dtype
+        ref = _reference(x, q, scale, b)
+        tol = 1e-6 if dtype == torch.float32 else 2**-8  # bf16: one final rounding
+        assert max_rel_err(out, ref) <= tol, (m, dtype, b is not None)
+
+
+@pytest.mark.parametrize("config", CANDIDATES, ids=lambda c: f"{c.block_n}x{c.block_k}")
+def test_every_candidate_tile_computes_the_same_product(config):
+    """What `choose_config` may pick on the GPU: each tiling, with K longer than its K tile
+    (several iterations) and N over several programs, writing into a given `out` (a CUDA
+    graph's static buffer) without allocating."""
+    dev = test_device()
+    n, k, m = 3 * config.block_n + 5, 2 * config.block_k + 7, 2
+    q, scale = _weight(n, k, 3, dev)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(4)).to(dev)
+    out = torch.full((m, n), float("nan"), device=dev)
+    got = fp8_weight_gemm(x, q, scale, out=out, config=config)
+    assert got.data_ptr() == out.data_ptr()
+    assert max_rel_err(out, _reference(x, q, scale, None)) <= 1e-6
+
+
+def test_strided_rows_and_the_limits():
+    dev = test_device()
+    q, scale = _weight(24, 64, 5, dev)
+    wide = torch.randn(4, 100, generator=torch.Generator().manual_seed(6)).to(dev)
+    x = wide[:, :64]  # rows 100 apart
+    assert max_rel_err(fp8_weight_gemm(x, q, scale), _reference(x, q, scale, None)) <= 1e-6
+    assert fp8_weight_gemm(x[:0], q, scale).shape == (0, 24)
+    with pytest.raises(AssertionError, match=f"at most {MAX_M} rows"):
+        fp8_weight_gemm(torch.randn(MAX_M + 1, 64, device=dev), q, scale)
+    with pytest.raises(AssertionError, match="x has 63 columns"):
+        fp8_weight_gemm(x[:, :63], q, scale)
+
+
+def test_default_tiles_fill_the_grid():
+    """Two programs per SM (132 off-GPU) where N allows; Qwen3-8B's o/down (N=4096) need the
+    narrowest tile for that, its gate_up (N=24,576) can take the widest."""
+    cpu = torch.device("cpu")
+    assert default_config(4096, cpu).block_n == 16
+    assert default_config(24576, cpu).block_n == 64
+    assert default_config(12288, cpu).block_n == 32
+
+
+def test_fp8_linear_is_weight_only_up_to_max_m_then_w8a8():
+    """At decode sizes the activations are not quantized (a row with one large entry keeps its
+    small ones), above them the per-token W8A8 path runs: the two give measurably different
+    results on such rows, and each equals its own reference exactly."""
+    dev = test_device()
+    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(7))
+    w[:, 0] = 0.0  # the large entry below sets each row's activation scale, adds nothing
+    lin = Fp8Linear(w.to(dev), None)
+    x = torch.randn(MAX_M + 1, 256, generator=torch.Generator().manual_seed(8)).to(dev)
+    x[:, 0] = 3000.0  # the other entries land near e4m3's bottom: a few % off, some flushed
+    x_q, x_scale = quantize_rows(x)
+    w8a8 = fp8_linear_reference(x_q, x_scale, lin.weight, lin.weight_scale, None)
+    weight_only = fp8_weight_only_reference(x, lin.weight, lin.weight_scale, None)
+    assert norm_rel_err(w8a8, weight_only) > 1e-2  # the two forms are distinguishable here
+    small = lin(x[:MAX_M])
+    assert max_rel_err(small, weight_only[:MAX_M]) <= 1e-6
+    assert norm_rel_err(small, w8a8[:MAX_M]) > 1e-2
+    assert max_rel_err(lin(x), w8a8) <= 1e-6
