@@ -58,6 +58,7 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
+GEMM_ROWS = (1, 2, 4, 8, 32)
 GEMM_SHAPES = {  # Qwen3-8B's decoder projections: (in, out)
     "qkv": (4096, 6144),
     "o": (4096, 4096),
@@ -84,8 +85,8 @@ def _graph_us(fn, reps: int = 20, replays: int = 5) -> float:
     return 1e3 * start.elapsed_time(end) / (reps * replays)
 
 
-def _gemm_row(w: torch.Tensor, lin, best, m: int, ceil: dict) -> dict:
-    from kernels.fp8_gemm import default_config, fp8_weight_gemm
+def _gemm_row(w: torch.Tensor, lin, tuned: dict, m: int, ceil: dict) -> dict:
+    from kernels.fp8_gemm import fp8_weight_gemm
 
     n, k = w.shape
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -96,17 +97,16 @@ def _gemm_row(w: torch.Tensor, lin, best, m: int, ceil: dict) -> dict:
             lambda: fp8_weight_gemm(x, lin.weight, lin.weight_scale)
         ),
         "weight_only_tuned_us": _graph_us(
-            lambda: fp8_weight_gemm(x, lin.weight, lin.weight_scale, config=best)
+            lambda: fp8_weight_gemm(x, lin.weight, lin.weight_scale, **tuned)
         ),
         "bf16_floor_us": 2 * n * k / (ceil["copy_GBps"] * 1e3),
         "fp8_floor_us": n * k / (ceil["copy_GBps"] * 1e3),
-        "tuned": f"{best.block_n}x{best.block_k}/s{best.num_stages}",
-        "default": str(default_config(n, x.device)),
     }
 
 
 @torch.inference_mode()
 def gemms(ceil: dict) -> dict:
+    """Each decoder GEMM alone; the tuned tiles as `tune_fp8_small_m` picks them."""
     from engine.quantization import Fp8Linear
     from kernels.fp8_gemm import choose_config
 
@@ -114,9 +114,13 @@ def gemms(ceil: dict) -> dict:
     for name, (k, n) in GEMM_SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         lin = Fp8Linear(w, None)
-        best, _ = choose_config(lin.weight, lin.weight_scale)
-        for m in BATCHES:
-            out[f"{name}_m{m}"] = _gemm_row(w, lin, best, m, ceil)
+        tuned = {
+            "gemv_config": choose_config(lin.weight, lin.weight_scale, 1)[0],
+            "config": choose_config(lin.weight, lin.weight_scale, 16)[0],
+        }
+        out[f"{name}_tiles"] = {key: str(c) for key, c in tuned.items()}
+        for m in GEMM_ROWS:
+            out[f"{name}_m{m}"] = _gemm_row(w, lin, tuned, m, ceil)
     _free()
     return out
 
@@ -131,9 +135,9 @@ def speed(path: Path, quantization: str | None, ceil: dict, num_prompts: int) ->
     step_times(llm, random_prompts(2, 64, 99), 8)  # warm-up
     res: dict = {"weight_GB": weight_bytes / 1e9}
     tiles = {  # the weight-only kernel's tiles tuned at start-up (fp8), per weight shape
-        f"{m.in_features}->{m.out_features}": str(m.small_m_config)
+        f"{m.in_features}->{m.out_features}": f"{m.gemv_config} / {m.small_m_config}"
         for m in runner.model.modules()
-        if hasattr(m, "small_m_config")
+        if hasattr(m, "gemv_config")
     }
     if tiles:
         res["small_m_tiles"] = tiles
@@ -212,7 +216,7 @@ def main() -> None:
         print_table(
             [(g, *(f"{r[c]:.1f}" for c in ("bf16_us", "w8a8_us", "weight_only_default_us",
                                            "weight_only_tuned_us", "fp8_floor_us")))
-             for g, r in results["gemms"].items()],
+             for g, r in results["gemms"].items() if "bf16_us" in r],
             ("gemm", "bf16 us", "w8a8 us", "w-only us", "tuned us", "fp8 floor us"),
         )  # fmt: skip
         with tempfile.TemporaryDirectory() as tmp:
@@ -227,18 +231,19 @@ def main() -> None:
             results["fp8_over_bf16"]["offline_tok_s"] = (
                 fp8["offline"]["output_tok_s"] / bf16["offline"]["output_tok_s"]
             )
-    if not args.skip_accuracy:
-        results["accuracy"] = accuracy()
     name = "fp8_gpu_accuracy" if args.skip_speed else "fp8_gpu"
     config = {"model_shape": "qwen3-8b", "batches": BATCHES, "num_prompts": args.num_prompts}
-    write_result(name, config, results, Path(args.out_dir))
-    rows = [] if args.skip_speed else [
-        (m, *(f"{results[m][f'b{b}']['step_ms']:.2f}" for b in BATCHES),
-         f"{results[m].get('offline', {}).get('output_tok_s', 0):.0f}")
-        for m in MODES
-    ]  # fmt: skip
-    print_table(rows, ("weights", *(f"b{b} ms" for b in BATCHES), "offline tok/s"))
-    if "accuracy" in results:
+    if not args.skip_speed:  # written before the accuracy part, and again with it
+        write_result(name, config, results, Path(args.out_dir))
+        rows = [
+            (m, *(f"{results[m][f'b{b}']['step_ms']:.2f}" for b in BATCHES),
+             f"{results[m].get('offline', {}).get('output_tok_s', 0):.0f}")
+            for m in MODES
+        ]  # fmt: skip
+        print_table(rows, ("weights", *(f"b{b} ms" for b in BATCHES), "offline tok/s"))
+    if not args.skip_accuracy:
+        results["accuracy"] = accuracy()
+        write_result(name, config, results, Path(args.out_dir))
         print(results["accuracy"])
 
 

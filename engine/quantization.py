@@ -28,8 +28,8 @@ import logging
 import torch
 from torch import nn
 
+from kernels.fp8_gemm import GEMV_MAX_M, Fp8GemmConfig, choose_config, fp8_weight_gemm
 from kernels.fp8_gemm import MAX_M as WEIGHT_ONLY_MAX_M
-from kernels.fp8_gemm import Fp8GemmConfig, choose_config, fp8_weight_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,9 @@ class Fp8Linear(nn.Module):
     """A linear layer with an e4m3 weight, per-output-channel weight scales and per-token
     dynamic activation scales (weight-only at decode sizes); output in the input's dtype."""
 
-    small_m_config: Fp8GemmConfig | None = None  # the weight-only kernel's tiles (tuned on CUDA)
+    # The weight-only kernels' tiles (tuned on CUDA at start-up; None: their defaults).
+    gemv_config: Fp8GemmConfig | None = None
+    small_m_config: Fp8GemmConfig | None = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -80,7 +82,12 @@ class Fp8Linear(nn.Module):
             if x.is_cuda:
                 x = x if x.stride(1) == 1 else x.contiguous()
                 return fp8_weight_gemm(
-                    x, self.weight, self.weight_scale, self.bias, config=self.small_m_config
+                    x,
+                    self.weight,
+                    self.weight_scale,
+                    self.bias,
+                    config=self.small_m_config,
+                    gemv_config=self.gemv_config,
                 )
             return fp8_weight_only_reference(x, self.weight, self.weight_scale, self.bias).to(
                 x.dtype
@@ -119,23 +126,21 @@ def fp8_weight_only_reference(x, w_q, w_scale, bias) -> torch.Tensor:
 
 @torch.inference_mode()
 def tune_fp8_small_m(model: nn.Module) -> dict[str, dict]:
-    """CUDA: for each distinct FP8 weight shape, time the weight-only kernel's candidate tiles
-    at one row and give every layer of that shape the fastest. Returns the timings (us)."""
+    """CUDA: for each distinct FP8 weight shape, time the weight-only kernels' candidate tiles
+    (the GEMV at one row, the tensor-core kernel at 16) and give every layer of that shape the
+    fastest. Returns the timings (us)."""
     by_shape: dict[tuple[int, int], list[Fp8Linear]] = {}
     for mod in model.modules():
         if isinstance(mod, Fp8Linear):
             by_shape.setdefault(tuple(mod.weight.shape), []).append(mod)
     report = {}
     for (n, k), mods in by_shape.items():
-        best, times = choose_config(mods[0].weight, mods[0].weight_scale)
-        for mod in mods:
-            mod.small_m_config = best
-        report[f"{k}->{n}"] = {
-            "best": f"{best.block_n}x{best.block_k}/w{best.num_warps}/s{best.num_stages}",
-            "us": {
-                f"{c.block_n}x{c.block_k}/s{c.num_stages}": round(t, 2) for c, t in times.items()
-            },
-        }
+        entry = report[f"{k}->{n}"] = {}
+        for attr, rows in (("gemv_config", 1), ("small_m_config", max(16, GEMV_MAX_M + 1))):
+            best, times = choose_config(mods[0].weight, mods[0].weight_scale, rows)
+            for mod in mods:
+                setattr(mod, attr, best)
+            entry[attr] = {"best": str(best), "us": {str(c): round(t, 2) for c, t in times.items()}}
     return report
 
 

@@ -12,12 +12,19 @@ with fp32 accumulation, and applies the channel scale and bias in fp32 before th
 to x's dtype. The activations stay unquantized, so the result is closer to the unquantized
 layer than the W8A8 path, not further.
 
-Tiling: one program computes a [BLOCK_M, BLOCK_N] tile of y over the whole of K (no split-K and
-no reduction pass: the program owns its sum). Decode has M <= BLOCK_M, so each weight byte is
-read once; BLOCK_N is kept small enough that the grid covers the GPU (N / BLOCK_N programs).
-`Fp8GemmConfig` holds the tile choice; `choose_config` times a few on the GPU once per weight
-shape (engine/quantization.py `tune_fp8_small_m`), and `default_config` is the heuristic used
-before or without that.
+Two kernels, both owning their sums (no split-K, no reduction pass):
+- `_gemv_kernel`, up to GEMV_MAX_M rows: one program per (row, BLOCK_N outputs), elementwise
+  products of the weight tile and x's slice accumulated in fp32 registers and summed once at
+  the end; no tensor cores, so no shared-memory staging of a 1-row operand. Programs of the
+  same weight tile for different rows are adjacent in the grid, so rows after the first read
+  it from L2. (Measured on the H200: a tensor-core tile at one row reached ~40% of the copy
+  bandwidth, about bf16 cuBLAS's time for half the bytes.)
+- `_kernel` (tensor cores, one [BLOCK_M, BLOCK_N] tile over the whole of K) above that, up to
+  MAX_M rows: each weight byte is read once; BLOCK_N small enough that N / BLOCK_N programs
+  cover the GPU.
+`Fp8GemmConfig` holds a tile choice; `choose_config` times the candidates on the GPU once per
+weight shape (engine/quantization.py `tune_fp8_small_m`), and `default_config` is the heuristic
+used before or without that.
 """
 
 from __future__ import annotations
@@ -31,9 +38,33 @@ import triton.language as tl
 from kernels.utils import num_sms
 
 FP8 = torch.float8_e4m3fn
-MAX_M = (
-    32  # the most rows this kernel is for: decode batches (one M tile; x's tile fits shared memory)
-)
+MAX_M = 32  # the most rows these kernels are for: decode batches (x's tile fits shared memory)
+GEMV_MAX_M = 4  # up to this many rows, `_gemv_kernel` (more: its FMAs outgrow the CUDA cores)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K,
+    stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    n_mask = rn < N
+    x_row = x_ptr + row * stride_xm
+    w_rows = w_ptr + rn[:, None] * stride_wn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        k_mask = k < K
+        x = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1) * tl.load(scale_ptr + rn, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -75,8 +106,17 @@ class Fp8GemmConfig:
     num_stages: int = 3
 
 
-# What `choose_config` times on the GPU: narrow tiles for small N (a full grid), wider ones
-# and deeper K tiles where N alone fills the GPU.
+# What `choose_config` times on the GPU. GEMV: BLOCK_N x BLOCK_K fp32 accumulators per program
+# (16 x 512 over 128 threads: 64 registers each); wide K tiles for many loads in flight.
+GEMV_CANDIDATES = (
+    Fp8GemmConfig(16, 512, 4, 2),
+    Fp8GemmConfig(8, 1024, 4, 2),
+    Fp8GemmConfig(32, 256, 4, 2),
+    Fp8GemmConfig(16, 1024, 8, 2),
+    Fp8GemmConfig(4, 2048, 4, 2),
+)
+# Tensor cores: narrow tiles for small N (a full grid), wider ones and deeper K tiles where N
+# alone fills the GPU.
 CANDIDATES = (
     Fp8GemmConfig(16, 256, 4, 4),
     Fp8GemmConfig(16, 512, 4, 3),
@@ -85,6 +125,12 @@ CANDIDATES = (
     Fp8GemmConfig(64, 256, 4, 3),
     Fp8GemmConfig(64, 128, 4, 4),
 )
+
+
+def default_gemv_config(n: int, device: torch.device) -> Fp8GemmConfig:
+    """16 outputs per program, or 8 where that leaves fewer than two programs per SM."""
+    block_n = 16 if triton.cdiv(n, 16) >= 2 * num_sms(device) else 8
+    return Fp8GemmConfig(block_n, 512 if block_n == 16 else 1024, 4, 2)
 
 
 def default_config(n: int, device: torch.device) -> Fp8GemmConfig:
@@ -103,9 +149,11 @@ def fp8_weight_gemm(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: Fp8GemmConfig | None = None,
+    gemv_config: Fp8GemmConfig | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16, fp16 or fp32, M <= MAX_M) times e4m3 `weight` [N, K] with fp32
-    `weight_scale` (N values, per output channel) -> [M, N] in x's dtype."""
+    `weight_scale` (N values, per output channel) -> [M, N] in x's dtype. `gemv_config` tiles
+    `_gemv_kernel` (M <= GEMV_MAX_M), `config` the tensor-core kernel (larger M)."""
     assert x.dim() == 2 and weight.dim() == 2 and weight.dtype == FP8
     m, k = x.shape
     n = weight.shape[0]
@@ -120,6 +168,15 @@ def fp8_weight_gemm(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     assert out.shape == (m, n) and out.stride(1) == 1 and out.dtype == x.dtype
     if m == 0:
+        return out
+    if m <= GEMV_MAX_M:
+        cfg = gemv_config or default_gemv_config(n, x.device)
+        _gemv_kernel[(m, triton.cdiv(n, cfg.block_n))](
+            x, weight, scale, bias if bias is not None else scale, out, n, k,
+            x.stride(0), weight.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
         return out
     cfg = config or default_config(n, x.device)
     block_m = max(16, triton.next_power_of_2(m))
@@ -137,19 +194,22 @@ def fp8_weight_gemm(
 def choose_config(
     weight: torch.Tensor, weight_scale: torch.Tensor, rows: int = 1
 ) -> tuple[Fp8GemmConfig, dict[Fp8GemmConfig, float]]:
-    """CUDA: the fastest of `CANDIDATES` for this weight at `rows` rows (bf16 input), in GPU
-    time: 20 launches captured in a CUDA graph, replayed 5 times (timed from Python, a Triton
-    launch costs more than these kernels run). Returns (it, {config: microseconds})."""
+    """CUDA: the fastest candidate tile for this weight at `rows` rows (bf16 input): of
+    `GEMV_CANDIDATES` up to GEMV_MAX_M rows, else of `CANDIDATES`. GPU time: 20 launches
+    captured in a CUDA graph, replayed 5 times (timed from Python, a Triton launch costs more
+    than these kernels run). Returns (it, {config: microseconds})."""
     x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=torch.bfloat16)
     out = torch.empty(rows, weight.shape[0], device=weight.device, dtype=torch.bfloat16)
+    is_gemv = rows <= GEMV_MAX_M
     times = {}
-    for cfg in CANDIDATES:
-        fp8_weight_gemm(x, weight, weight_scale, out=out, config=cfg)  # compile outside capture
+    for cfg in GEMV_CANDIDATES if is_gemv else CANDIDATES:
+        kwargs = {"gemv_config" if is_gemv else "config": cfg}
+        fp8_weight_gemm(x, weight, weight_scale, out=out, **kwargs)  # compile outside capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(20):
-                fp8_weight_gemm(x, weight, weight_scale, out=out, config=cfg)
+                fp8_weight_gemm(x, weight, weight_scale, out=out, **kwargs)
         graph.replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
