@@ -92,10 +92,14 @@ class PendingWork:
     def __init__(self, ttl_s: float = 2.0, margin_s: float = 0.05, clock=time.time):
         self.ttl_s, self.margin_s, self._clock = ttl_s, margin_s, clock
         self._entries: dict[str, collections.deque[PendingEntry]] = {}
+        # Each instance's entries' tokens, kept as they come and go: `get` runs for every
+        # candidate of every request, and between two reports a busy gateway holds hundreds.
+        self._num_tokens: dict[str, int] = {}
 
     def add(self, instance_id: str, num_tokens: int) -> PendingEntry:
         entry = PendingEntry(instance_id, self._clock(), num_tokens)
         self._entries.setdefault(instance_id, collections.deque()).append(entry)
+        self._num_tokens[instance_id] = self._num_tokens.get(instance_id, 0) + num_tokens
         return entry
 
     def drop(self, entry: PendingEntry) -> None:
@@ -103,6 +107,7 @@ class PendingWork:
         entries = self._entries.get(entry.instance_id)
         if entries is not None and entry in entries:
             entries.remove(entry)
+            self._num_tokens[entry.instance_id] -= entry.num_tokens
 
     def get(self, instance_id: str, as_of_s: float) -> tuple[int, int]:
         """(requests, prompt tokens) not yet in a report taken at `as_of_s` (wall clock)."""
@@ -110,9 +115,11 @@ class PendingWork:
         if not entries:
             return 0, 0
         horizon = max(as_of_s - self.margin_s, self._clock() - self.ttl_s)
+        num_tokens = self._num_tokens[instance_id]
         while entries and entries[0].added_s < horizon:
-            entries.popleft()
-        return len(entries), sum(e.num_tokens for e in entries)
+            num_tokens -= entries.popleft().num_tokens
+        self._num_tokens[instance_id] = num_tokens
+        return len(entries), num_tokens
 
 
 @dataclass

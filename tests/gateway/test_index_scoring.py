@@ -193,6 +193,29 @@ def test_pending_work_drops_the_given_entry():
     assert pending.get("p1", as_of_s=0.0) == (0, 0)
 
 
+def test_pending_work_counts_what_is_left_after_expiry_and_drops():
+    """The running token count equals the sum over the entries still pending, through
+    expiry by a later report (`as_of_s`), by ttl, and drops of expired and live entries."""
+    now = [10.0]
+    pending = PendingWork(ttl_s=2.0, margin_s=0.05, clock=lambda: now[0])
+    entries = []
+    for i, tokens in enumerate([100, 7, 30, 5, 64]):
+        now[0] = 10.0 + i  # added at 10, 11, 12, 13, 14
+        entries.append(pending.add("d1", tokens))
+    pending.add("d2", 1000)  # another instance's entries are its own
+    assert pending.get("d1", as_of_s=0.0) == (3, 30 + 5 + 64)  # ttl: before 12.0 expired
+    pending.drop(entries[0])  # expired already: nothing changes
+    assert pending.get("d1", as_of_s=0.0) == (3, 99)
+    assert pending.get("d1", as_of_s=12.5) == (2, 69)  # a report taken after the third
+    pending.drop(entries[4])
+    assert pending.get("d1", as_of_s=12.5) == (1, 5)
+    now[0] = 20.0
+    assert pending.get("d1", as_of_s=0.0) == (0, 0)
+    assert pending.get("d2", as_of_s=0.0) == (0, 0)
+    pending.add("d1", 3)
+    assert pending.get("d1", as_of_s=0.0) == (1, 3)
+
+
 def _admit_concurrently(router, requests) -> list:
     """As gateway/dispatch.py does: each request plans, then reports its first attempt, in a task
     of its own. Every request plans before any reports. Returns each request's first route."""
