@@ -15,10 +15,9 @@ layer than the W8A8 path, not further.
 Two kernels, both owning their sums (no split-K, no reduction pass):
 - `_gemv_kernel`, up to GEMV_MAX_M rows: one program per (row, BLOCK_N outputs), elementwise
   products of the weight tile and x's slice accumulated in fp32 registers and summed once at
-  the end; no tensor cores, so no shared-memory staging of a 1-row operand. Programs of the
-  same weight tile for different rows are adjacent in the grid, so rows after the first read
-  it from L2. (Measured on the H200: a tensor-core tile at one row reached ~40% of the copy
-  bandwidth, about bf16 cuBLAS's time for half the bytes.)
+  the end; no tensor cores, so no shared-memory staging of a 1-row operand. (H200: the
+  tensor-core tile at one row reached ~40% of the copy bandwidth, about bf16 cuBLAS's time for
+  half the bytes; this kernel 60-85%.)
 - `_kernel` (tensor cores, one [BLOCK_M, BLOCK_N] tile over the whole of K) above that, up to
   MAX_M rows: each weight byte is read once; BLOCK_N small enough that N / BLOCK_N programs
   cover the GPU.
@@ -39,7 +38,10 @@ from kernels.utils import num_sms
 
 FP8 = torch.float8_e4m3fn
 MAX_M = 32  # the most rows these kernels are for: decode batches (x's tile fits shared memory)
-GEMV_MAX_M = 4  # up to this many rows, `_gemv_kernel` (more: its FMAs outgrow the CUDA cores)
+# Up to this many rows, `_gemv_kernel`. H200, Qwen3-8B's four projections (bench/fp8_gpu.py):
+# 59 us a layer at 1 row (bf16 cuBLAS: 102), 94 at 2, 162 at 4, where the tensor-core kernel
+# took ~98 at 8 rows: each further row re-reads the weight (L2 does not catch it).
+GEMV_MAX_M = 2
 
 
 @triton.jit

@@ -47,7 +47,12 @@ def _reference(x, q, scale, bias) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "m, dtype",
-    [(1, torch.float32), (1, torch.bfloat16), (3, torch.bfloat16), (GEMV_MAX_M, torch.float32)]
+    [
+        (1, torch.float32),
+        (1, torch.bfloat16),
+        (GEMV_MAX_M, torch.bfloat16),
+        (GEMV_MAX_M, torch.float32),
+    ]
     + [(m, torch.float32) for m in (GEMV_MAX_M + 1, 16, 17, MAX_M)]
     + [(m, torch.bfloat16) for m in (GEMV_MAX_M + 1, MAX_M) for _ in BF16_DOTS],
 )
