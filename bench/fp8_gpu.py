@@ -38,6 +38,7 @@ from bench.gpu_engine import (
     step_times,
 )
 from engine import LLM, SamplingParams
+from kernels.utils import graph_time_us
 
 MODES = {"bf16": None, "fp8": "fp8"}
 BATCHES = (1, 8, 32)
@@ -67,36 +68,18 @@ GEMM_SHAPES = {  # Qwen3-8B's decoder projections: (in, out)
 }
 
 
-def _graph_us(fn, reps: int = 20, replays: int = 5) -> float:
-    """GPU microseconds per call of `fn`: `reps` calls captured in a CUDA graph, replayed."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return 1e3 * start.elapsed_time(end) / (reps * replays)
-
-
 def _gemm_row(w: torch.Tensor, lin, tuned: dict, m: int, ceil: dict) -> dict:
     from kernels.fp8_gemm import fp8_weight_gemm
 
     n, k = w.shape
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     return {
-        "bf16_us": _graph_us(lambda: torch.nn.functional.linear(x, w)),
-        "w8a8_us": _graph_us(lambda: lin.w8a8(x)),
-        "weight_only_default_us": _graph_us(
+        "bf16_us": graph_time_us(lambda: torch.nn.functional.linear(x, w)),
+        "w8a8_us": graph_time_us(lambda: lin.w8a8(x)),
+        "weight_only_default_us": graph_time_us(
             lambda: fp8_weight_gemm(x, lin.weight, lin.weight_scale)
         ),
-        "weight_only_tuned_us": _graph_us(
+        "weight_only_tuned_us": graph_time_us(
             lambda: fp8_weight_gemm(x, lin.weight, lin.weight_scale, **tuned)
         ),
         "bf16_floor_us": 2 * n * k / (ceil["copy_GBps"] * 1e3),

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.utils import num_sms
+from kernels.utils import graph_time_us, num_sms
 
 FP8 = torch.float8_e4m3fn
 MAX_M = 32  # the most rows these kernels are for: decode batches (x's tile fits shared memory)
@@ -197,28 +197,15 @@ def choose_config(
     weight: torch.Tensor, weight_scale: torch.Tensor, rows: int = 1
 ) -> tuple[Fp8GemmConfig, dict[Fp8GemmConfig, float]]:
     """CUDA: the fastest candidate tile for this weight at `rows` rows (bf16 input): of
-    `GEMV_CANDIDATES` up to GEMV_MAX_M rows, else of `CANDIDATES`. GPU time: 20 launches
-    captured in a CUDA graph, replayed 5 times (timed from Python, a Triton launch costs more
-    than these kernels run). Returns (it, {config: microseconds})."""
+    `GEMV_CANDIDATES` up to GEMV_MAX_M rows, else of `CANDIDATES`, in GPU time
+    (`graph_time_us`). Returns (it, {config: microseconds})."""
     x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=torch.bfloat16)
     out = torch.empty(rows, weight.shape[0], device=weight.device, dtype=torch.bfloat16)
     is_gemv = rows <= GEMV_MAX_M
     times = {}
     for cfg in GEMV_CANDIDATES if is_gemv else CANDIDATES:
         kwargs = {"gemv_config" if is_gemv else "config": cfg}
-        fp8_weight_gemm(x, weight, weight_scale, out=out, **kwargs)  # compile outside capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(20):
-                fp8_weight_gemm(x, weight, weight_scale, out=out, **kwargs)
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times[cfg] = 1e3 * start.elapsed_time(end) / 100
-        del graph
+        times[cfg] = graph_time_us(
+            lambda kw=kwargs: fp8_weight_gemm(x, weight, weight_scale, out=out, **kw)
+        )
     return min(times, key=times.get), times

@@ -78,3 +78,23 @@ def check_kv_layer(kv_layer: torch.Tensor) -> None:
 def fp8_max(kv_layer: torch.Tensor) -> float:
     """The FP8 cache's saturation bound for a kernel's `FP8_MAX` (0.0: not an FP8 cache)."""
     return torch.finfo(kv_layer.dtype).max if kv_layer.dtype == torch.float8_e4m3fn else 0.0
+
+
+def graph_time_us(fn, reps: int = 20, replays: int = 5) -> float:
+    """CUDA: GPU microseconds per call of `fn`, without the launch cost from Python (which
+    exceeds what small kernels run): one call outside the capture (compilation, cuBLAS's
+    kernel choice), `reps` calls captured in a CUDA graph, `replays` replays timed by events."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return 1e3 * start.elapsed_time(end) / (reps * replays)

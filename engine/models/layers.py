@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from kernels.utils import graph_time_us
 
 
 class Linear(nn.Linear):
@@ -62,21 +63,7 @@ def tune_small_m(model: nn.Module, rows: int = 8, min_gain: float = 0.15) -> dic
         times = []
         for pad in (0, rows):
             layer.pad_rows_to = pad
-            layer(x)  # cuBLAS picks its kernel outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()  # GPU time only: a launch from Python costs more
-            with torch.cuda.graph(graph):
-                for _ in range(20):
-                    layer(x)
-            graph.replay()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(5):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 100 * 1e3)
-            del graph
+            times.append(graph_time_us(lambda: layer(x)))  # noqa: B023 - called right here
         pad = rows if times[1] < (1 - min_gain) * times[0] else 0
         for mod in mods:
             mod.pad_rows_to = pad
