@@ -76,10 +76,12 @@ def compile_all() -> None:
                       WRITE_KV=write_kv, BLOCK_SIZE=16, FP8_MAX=fp8_max)  # fmt: skip
             _compile(rotary._kernel, types, cx)
     _compile(activation._kernel, dict(x_ptr=bf, out_ptr=bf), dict(BLOCK=1024))
+    # --quantization fp8 at decode sizes: every tile of both kernels (tensor cores: 16 and 32 rows)
     types = dict(x_ptr=bf, w_ptr=fp8, scale_ptr="*fp32", bias_ptr=bf, y_ptr=bf)
-    for (
-        cfg
-    ) in fp8_gemm.CANDIDATES:  # --quantization fp8 at decode sizes: every tile, 16 and 32 rows
+    for cfg in fp8_gemm.GEMV_CANDIDATES:
+        cx = dict(HAS_BIAS=True, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+        _compile(fp8_gemm._gemv_kernel, types, cx, cfg.num_warps, cfg.num_stages)
+    for cfg in fp8_gemm.CANDIDATES:
         for block_m in (16, fp8_gemm.MAX_M):
             cx = dict(HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                       DOT_PRECISION="tf32")  # fmt: skip
