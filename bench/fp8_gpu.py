@@ -91,17 +91,14 @@ def _gemm_row(w: torch.Tensor, lin, tuned: dict, m: int, ceil: dict) -> dict:
 def gemms(ceil: dict) -> dict:
     """Each decoder GEMM alone; the tuned tiles as `tune_fp8_small_m` picks them."""
     from engine.quantization import Fp8Linear
-    from kernels.fp8_gemm import choose_config
+    from kernels.fp8_gemm import choose_tiles
 
-    out: dict = {}
+    out: dict = {"tiles": {}}
     for name, (k, n) in GEMM_SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         lin = Fp8Linear(w, None)
-        tuned = {
-            "gemv_config": choose_config(lin.weight, lin.weight_scale, 1)[0],
-            "config": choose_config(lin.weight, lin.weight_scale, 16)[0],
-        }
-        out[f"{name}_tiles"] = {key: str(c) for key, c in tuned.items()}
+        tuned, _ = choose_tiles(lin.weight, lin.weight_scale)
+        out["tiles"][name] = {key: str(c) for key, c in tuned.items()}
         for m in GEMM_ROWS:
             out[f"{name}_m{m}"] = _gemm_row(w, lin, tuned, m, ceil)
     _free()
@@ -118,9 +115,9 @@ def speed(path: Path, quantization: str | None, ceil: dict, num_prompts: int) ->
     step_times(llm, random_prompts(2, 64, 99), 8)  # warm-up
     res: dict = {"weight_GB": weight_bytes / 1e9}
     tiles = {  # the weight-only kernel's tiles tuned at start-up (fp8), per weight shape
-        f"{m.in_features}->{m.out_features}": f"{m.gemv_config} / {m.small_m_config}"
+        f"{m.in_features}->{m.out_features}": {key: str(c) for key, c in m.tiles.items()}
         for m in runner.model.modules()
-        if hasattr(m, "gemv_config")
+        if hasattr(m, "tiles")
     }
     if tiles:
         res["small_m_tiles"] = tiles
@@ -199,7 +196,7 @@ def main() -> None:
         print_table(
             [(g, *(f"{r[c]:.1f}" for c in ("bf16_us", "w8a8_us", "weight_only_default_us",
                                            "weight_only_tuned_us", "fp8_floor_us")))
-             for g, r in results["gemms"].items() if "bf16_us" in r],
+             for g, r in results["gemms"].items() if g != "tiles"],
             ("gemm", "bf16 us", "w8a8 us", "w-only us", "tuned us", "fp8 floor us"),
         )  # fmt: skip
         with tempfile.TemporaryDirectory() as tmp:

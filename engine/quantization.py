@@ -23,15 +23,11 @@ slower than bf16 on the H200).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
-from kernels.fp8_gemm import GEMV_MAX_M, Fp8GemmConfig, choose_config, fp8_weight_gemm
 from kernels.fp8_gemm import MAX_M as WEIGHT_ONLY_MAX_M
-
-logger = logging.getLogger(__name__)
+from kernels.fp8_gemm import Fp8GemmConfig, choose_tiles, fp8_weight_gemm
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -63,10 +59,6 @@ class Fp8Linear(nn.Module):
     """A linear layer with an e4m3 weight, per-output-channel weight scales and per-token
     dynamic activation scales (weight-only at decode sizes); output in the input's dtype."""
 
-    # The weight-only kernels' tiles (tuned on CUDA at start-up; None: their defaults).
-    gemv_config: Fp8GemmConfig | None = None
-    small_m_config: Fp8GemmConfig | None = None
-
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -76,19 +68,15 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight", q)
         self.register_buffer("weight_scale", scale.reshape(1, -1).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        # The weight-only kernels' tiles as fp8_weight_gemm's arguments (`tune_fp8_small_m`
+        # on CUDA at start-up; empty: their defaults).
+        self.tiles: dict[str, Fp8GemmConfig] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= WEIGHT_ONLY_MAX_M:
             if x.is_cuda:
                 x = x if x.stride(1) == 1 else x.contiguous()
-                return fp8_weight_gemm(
-                    x,
-                    self.weight,
-                    self.weight_scale,
-                    self.bias,
-                    config=self.small_m_config,
-                    gemv_config=self.gemv_config,
-                )
+                return fp8_weight_gemm(x, self.weight, self.weight_scale, self.bias, **self.tiles)
             return fp8_weight_only_reference(x, self.weight, self.weight_scale, self.bias).to(
                 x.dtype
             )
@@ -135,12 +123,13 @@ def tune_fp8_small_m(model: nn.Module) -> dict[str, dict]:
             by_shape.setdefault(tuple(mod.weight.shape), []).append(mod)
     report = {}
     for (n, k), mods in by_shape.items():
-        entry = report[f"{k}->{n}"] = {}
-        for attr, rows in (("gemv_config", 1), ("small_m_config", max(16, GEMV_MAX_M + 1))):
-            best, times = choose_config(mods[0].weight, mods[0].weight_scale, rows)
-            for mod in mods:
-                setattr(mod, attr, best)
-            entry[attr] = {"best": str(best), "us": {str(c): round(t, 2) for c, t in times.items()}}
+        tiles, times = choose_tiles(mods[0].weight, mods[0].weight_scale)
+        for mod in mods:
+            mod.tiles = tiles
+        report[f"{k}->{n}"] = {
+            key: {"best": str(tiles[key]), "us": {str(c): round(t, 2) for c, t in ts.items()}}
+            for key, ts in times.items()
+        }
     return report
 
 

@@ -21,9 +21,9 @@ Two kernels, both owning their sums (no split-K, no reduction pass):
 - `_kernel` (tensor cores, one [BLOCK_M, BLOCK_N] tile over the whole of K) above that, up to
   MAX_M rows: each weight byte is read once; BLOCK_N small enough that N / BLOCK_N programs
   cover the GPU.
-`Fp8GemmConfig` holds a tile choice; `choose_config` times the candidates on the GPU once per
-weight shape (engine/quantization.py `tune_fp8_small_m`), and `default_config` is the heuristic
-used before or without that.
+`Fp8GemmConfig` holds a tile choice; `choose_tiles` times the candidates of both kernels on the
+GPU once per weight shape (engine/quantization.py `tune_fp8_small_m`, bench/fp8_gpu.py), and
+`default_config` / `default_gemv_config` are the heuristics used before or without that.
 """
 
 from __future__ import annotations
@@ -209,3 +209,15 @@ def choose_config(
             lambda kw=kwargs: fp8_weight_gemm(x, weight, weight_scale, out=out, **kw)
         )
     return min(times, key=times.get), times
+
+
+def choose_tiles(
+    weight: torch.Tensor, weight_scale: torch.Tensor
+) -> tuple[dict[str, Fp8GemmConfig], dict[str, dict[Fp8GemmConfig, float]]]:
+    """CUDA: both kernels' fastest tiles for this weight, as `fp8_weight_gemm`'s keyword
+    arguments: the GEMV timed at one row, the tensor-core kernel at 16 rows (its smallest M
+    tile). Returns (those arguments, {argument: {config: microseconds}})."""
+    tiles, times = {}, {}
+    for key, rows in (("gemv_config", 1), ("config", max(16, GEMV_MAX_M + 1))):
+        tiles[key], times[key] = choose_config(weight, weight_scale, rows)
+    return tiles, times
