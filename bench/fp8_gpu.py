@@ -9,10 +9,12 @@ Speed (Qwen3-8B shape, dummy weights; the copy and matmul ceilings measured in t
   Triton kernel decode sizes use, its default tile and the one tuned at start-up), each next
   to its weight bytes' floor.
 Accuracy (SmolLM2-135M-Instruct, real weights, bf16 vs FP8 weights, both on the GPU): the bf16
-model writes greedy continuations of a few prompts (a few thousand positions in all); both
+model writes greedy continuations of a few prompts (a few thousand positions in all); the
 models then score those texts (`prompt_logprobs=20`): top-1 agreement of the next-token
 prediction, and KL(bf16 || fp8) over the tokens in both top-20 lists (a lower bound of the full
 KL; the tail outside the top 20 holds little mass); then the greedy continuations are compared.
+FP8 is scored on both of its paths: whole-prompt prefills (W8A8 `_scaled_mm`) and 32-token
+chunks (every GEMM at decode sizes: the weight-only kernels).
 
     python -m bench.fp8_gpu --out-dir bench/results [--num-prompts 1000] [--skip-accuracy]
 Writes `fp8_gpu-<date>.json` and prints a table.
@@ -59,7 +61,7 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
-GEMM_ROWS = (1, 2, 4, 8, 32)
+GEMM_ROWS = (1, 2, 4, 8, 16, 32)
 GEMM_SHAPES = {  # Qwen3-8B's decoder projections: (in, out)
     "qkv": (4096, 6144),
     "o": (4096, 4096),
@@ -135,28 +137,8 @@ def speed(path: Path, quantization: str | None, ceil: dict, num_prompts: int) ->
     return res
 
 
-def accuracy() -> dict:
-    from engine.weights import SMOLLM2_REPO_ID
-
-    llms = {
-        # Both engines in one process on one GPU: each a fixed KV cache (a memory fraction
-        # counts the process's allocations, the first engine's too).
-        m: LLM(
-            SMOLLM2_REPO_ID,
-            dtype="bfloat16",
-            max_model_len=2048,
-            quantization=q,
-            kv_cache_memory_bytes=2 << 30,
-        )
-        for m, q in MODES.items()
-    }
-    base, fp8 = llms["bf16"], llms["fp8"]
-    greedy = SamplingParams(temperature=0, max_tokens=384, ignore_eos=True)
-    chats = [[{"role": "user", "content": p}] for p in ACCURACY_PROMPTS]
-    texts = [o.prompt_token_ids + o.outputs[0].token_ids for o in base.chat(chats, greedy)]
-    score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20)
-    seqs = [{"prompt_token_ids": t} for t in texts]
-    a, b = base.generate(seqs, score), fp8.generate(seqs, score)
+def _agreement(a, b) -> dict:
+    """Top-1 agreement and mean KL (over both top-20 lists) of two engines' prompt logprobs."""
     agree = positions = 0
     kls = []
     for oa, ob in zip(a, b):
@@ -165,20 +147,62 @@ def accuracy() -> dict:
             agree += max(pa, key=pa.get) == max(pb, key=pb.get)
             both = [t for t in pa if t in pb]
             kls.append(sum(math.exp(pa[t]) * (pa[t] - pb[t]) for t in both))
-    short = SamplingParams(temperature=0, max_tokens=64)
-    same = sum(
-        x.outputs[0].token_ids == y.outputs[0].token_ids
-        for x, y in zip(base.chat(chats, short), fp8.chat(chats, short))
-    )
-    del llms, base, fp8
-    _free()
     return {
-        "model": "SmolLM2-135M-Instruct",
         "positions": positions,
         "top1_agreement": agree / positions,
         "mean_kl_top20": sum(kls) / len(kls),
-        "greedy_64_identical": f"{same}/{len(chats)}",
     }
+
+
+def accuracy(prompts: list[str] = ACCURACY_PROMPTS, max_tokens: int = 384) -> dict:
+    """bf16 against FP8 weights on both of FP8's paths: whole prompts in one prefill run every
+    GEMM as W8A8 (`fp8`), prompts fed in chunks of MAX_M tokens run every GEMM through the
+    weight-only kernels of decode sizes (`fp8_decode_sizes`)."""
+    from engine.weights import SMOLLM2_REPO_ID
+    from kernels.fp8_gemm import MAX_M
+
+    engines = {"bf16": {}, "fp8": {"quantization": "fp8"}}
+    engines["fp8_decode_sizes"] = {
+        "quantization": "fp8",
+        "enable_chunked_prefill": True,
+        "max_num_batched_tokens": MAX_M,
+        "long_prefill_token_threshold": MAX_M,
+    }
+    llms = {
+        # All engines in one process on one GPU: each a fixed KV cache (a memory fraction
+        # counts the process's allocations, the first engine's too).
+        m: LLM(
+            SMOLLM2_REPO_ID,
+            dtype="bfloat16",
+            max_model_len=2048,
+            kv_cache_memory_bytes=1 << 30,
+            **kwargs,
+        )
+        for m, kwargs in engines.items()
+    }
+    base = llms["bf16"]
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    texts = [o.prompt_token_ids + o.outputs[0].token_ids for o in base.chat(chats, greedy)]
+    score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20)
+    seqs = [{"prompt_token_ids": t} for t in texts]
+    scores = {m: llm.generate(seqs, score) for m, llm in llms.items()}
+    short = SamplingParams(temperature=0, max_tokens=64)
+    continuations = {m: llm.chat(chats, short) for m, llm in llms.items()}
+    out: dict = {"model": "SmolLM2-135M-Instruct"}
+    for m in llms:
+        if m == "bf16":
+            continue
+        same = sum(
+            x.outputs[0].token_ids == y.outputs[0].token_ids
+            for x, y in zip(continuations["bf16"], continuations[m])
+        )
+        out[m] = _agreement(scores["bf16"], scores[m]) | {
+            "greedy_64_identical": f"{same}/{len(chats)}"
+        }
+    del llms, base
+    _free()
+    return out
 
 
 def main() -> None:

@@ -115,8 +115,8 @@ def fp8_weight_only_reference(x, w_q, w_scale, bias) -> torch.Tensor:
 @torch.inference_mode()
 def tune_fp8_small_m(model: nn.Module) -> dict[str, dict]:
     """CUDA: for each distinct FP8 weight shape, time the weight-only kernels' candidate tiles
-    (the GEMV at one row, the tensor-core kernel at 16) and give every layer of that shape the
-    fastest. Returns the timings (us)."""
+    (the GEMV at one row, the tensor-core kernel at 16 and at 32 rows) and give every layer of
+    that shape the fastest. Returns the timings (us)."""
     by_shape: dict[tuple[int, int], list[Fp8Linear]] = {}
     for mod in model.modules():
         if isinstance(mod, Fp8Linear):

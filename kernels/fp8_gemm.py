@@ -12,18 +12,23 @@ with fp32 accumulation, and applies the channel scale and bias in fp32 before th
 to x's dtype. The activations stay unquantized, so the result is closer to the unquantized
 layer than the W8A8 path, not further.
 
-Two kernels, both owning their sums (no split-K, no reduction pass):
+Two kernels:
 - `_gemv_kernel`, up to GEMV_MAX_M rows: one program per (row, BLOCK_N outputs), elementwise
   products of the weight tile and x's slice accumulated in fp32 registers and summed once at
   the end; no tensor cores, so no shared-memory staging of a 1-row operand. (H200: the
   tensor-core tile at one row reached ~40% of the copy bandwidth, about bf16 cuBLAS's time for
   half the bytes; this kernel 60-85%.)
-- `_kernel` (tensor cores, one [BLOCK_M, BLOCK_N] tile over the whole of K) above that, up to
-  MAX_M rows: each weight byte is read once; BLOCK_N small enough that N / BLOCK_N programs
-  cover the GPU.
+- `_kernel` (tensor cores, one [BLOCK_M, BLOCK_N] tile) above that, up to MAX_M rows: each
+  weight byte is read once. Over the whole of K (SPLIT_K 1) the grid is N / BLOCK_N programs,
+  so BLOCK_N must be small to cover the GPU, and then every program re-reads all of x: at 32
+  rows x's reads outweigh the weight's (H200, down_proj 12288 -> 4096: 46 us against a 12 us
+  floor). With SPLIT_K > 1 the programs also split K, each writing an fp32 partial sum, and
+  `_reduce_kernel` adds the partials, applies scale and bias, and rounds once: wide tiles
+  (few reads of x) and a full grid, for one more launch.
 `Fp8GemmConfig` holds a tile choice; `choose_tiles` times the candidates of both kernels on the
-GPU once per weight shape (engine/quantization.py `tune_fp8_small_m`, bench/fp8_gpu.py), and
-`default_config` / `default_gemv_config` are the heuristics used before or without that.
+GPU once per weight shape and M tile (engine/quantization.py `tune_fp8_small_m`,
+bench/fp8_gpu.py), and `default_config` / `default_gemv_config` are the heuristics used before
+or without that.
 """
 
 from __future__ import annotations
@@ -71,13 +76,14 @@ def _gemv_kernel(
 
 @triton.jit
 def _kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, M, N, K,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
@@ -85,19 +91,43 @@ def _kernel(
     n_mask = rn < N
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
     w_cols = w_ptr + rn[None, :] * stride_wn  # w is [N, K]: the tile is read as [BLOCK_K, BLOCK_N]
+    k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K  # whole K tiles per split
+    k_begin = pid_k * k_span
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_begin, tl.minimum(k_begin + k_span, K), BLOCK_K):
         k = k0 + rk
         k_mask = k < K
         x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_cols + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
-    scale = tl.load(scale_ptr + rn, mask=n_mask, other=0.0)
-    acc = acc * scale[None, :]
+    mn_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:  # an fp32 partial [SPLIT_K, M, N]; _reduce_kernel finishes
+        part = part_ptr + (pid_k * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+        tl.store(part, acc, mask=mn_mask)
+    else:
+        scale = tl.load(scale_ptr + rn, mask=n_mask, other=0.0)
+        acc = acc * scale[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mn_mask)
+
+
+@triton.jit
+def _reduce_kernel(
+    part_ptr, scale_ptr, bias_ptr, y_ptr, M, N, stride_ym,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(1).to(tl.int64)
+    rn = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    n_mask = rn < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT_K):
+        acc += tl.load(part_ptr + (s * M + row) * N + rn, mask=n_mask, other=0.0)
+    y = acc * tl.load(scale_ptr + rn, mask=n_mask, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        y += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 @dataclass(frozen=True)
@@ -106,6 +136,7 @@ class Fp8GemmConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1  # the tensor-core kernel's programs along K (1: no partials, no reduce)
 
 
 # What `choose_config` times on the GPU. GEMV: BLOCK_N x BLOCK_K fp32 accumulators per program
@@ -118,7 +149,7 @@ GEMV_CANDIDATES = (
     Fp8GemmConfig(4, 2048, 4, 2),
 )
 # Tensor cores: narrow tiles for small N (a full grid), wider ones and deeper K tiles where N
-# alone fills the GPU.
+# alone fills the GPU, and wide tiles split along K (fewer reads of x, a full grid anyway).
 CANDIDATES = (
     Fp8GemmConfig(16, 256, 4, 4),
     Fp8GemmConfig(16, 512, 4, 3),
@@ -126,7 +157,13 @@ CANDIDATES = (
     Fp8GemmConfig(32, 512, 4, 3),
     Fp8GemmConfig(64, 256, 4, 3),
     Fp8GemmConfig(64, 128, 4, 4),
+    Fp8GemmConfig(64, 256, 4, 3, split_k=4),
+    Fp8GemmConfig(64, 256, 4, 3, split_k=8),
+    Fp8GemmConfig(128, 128, 4, 3, split_k=4),
+    Fp8GemmConfig(128, 128, 8, 3, split_k=8),
+    Fp8GemmConfig(32, 256, 4, 4, split_k=4),
 )
+REDUCE_BLOCK = 512  # outputs per program of `_reduce_kernel`
 
 
 def default_gemv_config(n: int, device: torch.device) -> Fp8GemmConfig:
@@ -152,10 +189,12 @@ def fp8_weight_gemm(
     out: torch.Tensor | None = None,
     config: Fp8GemmConfig | None = None,
     gemv_config: Fp8GemmConfig | None = None,
+    config_m32: Fp8GemmConfig | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16, fp16 or fp32, M <= MAX_M) times e4m3 `weight` [N, K] with fp32
     `weight_scale` (N values, per output channel) -> [M, N] in x's dtype. `gemv_config` tiles
-    `_gemv_kernel` (M <= GEMV_MAX_M), `config` the tensor-core kernel (larger M)."""
+    `_gemv_kernel` (M <= GEMV_MAX_M), `config` the tensor-core kernel up to 16 rows (one M tile
+    of 16), `config_m32` above that (one M tile of 32; `config` when not given)."""
     assert x.dim() == 2 and weight.dim() == 2 and weight.dtype == FP8
     m, k = x.shape
     n = weight.shape[0]
@@ -180,16 +219,27 @@ def fp8_weight_gemm(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         return out
-    cfg = config or default_config(n, x.device)
     block_m = max(16, triton.next_power_of_2(m))
+    cfg = (config_m32 if block_m > 16 else None) or config or default_config(n, x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: unused by 16-bit dots
-    _kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m))](
-        x, weight, scale, bias if bias is not None else scale, out, m, n, k,
+    split_k = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
+    # The partials (graph-safe: a captured allocation is the graph's own memory).
+    part = (
+        torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    )
+    b = bias if bias is not None else scale
+    _kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), split_k)](
+        x, weight, scale, b, out, part, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, DOT_PRECISION=precision,
+        BLOCK_K=cfg.block_k, SPLIT_K=split_k, DOT_PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    if split_k > 1:
+        _reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK), m)](
+            part, scale, b, out, m, n, out.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=REDUCE_BLOCK,
+        )  # fmt: skip
     return out
 
 
@@ -202,9 +252,10 @@ def choose_config(
     x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=torch.bfloat16)
     out = torch.empty(rows, weight.shape[0], device=weight.device, dtype=torch.bfloat16)
     is_gemv = rows <= GEMV_MAX_M
+    key = "gemv_config" if is_gemv else "config" if rows <= 16 else "config_m32"
     times = {}
     for cfg in GEMV_CANDIDATES if is_gemv else CANDIDATES:
-        kwargs = {"gemv_config" if is_gemv else "config": cfg}
+        kwargs = {key: cfg}
         times[cfg] = graph_time_us(
             lambda kw=kwargs: fp8_weight_gemm(x, weight, weight_scale, out=out, **kw)
         )
@@ -215,9 +266,9 @@ def choose_tiles(
     weight: torch.Tensor, weight_scale: torch.Tensor
 ) -> tuple[dict[str, Fp8GemmConfig], dict[str, dict[Fp8GemmConfig, float]]]:
     """CUDA: both kernels' fastest tiles for this weight, as `fp8_weight_gemm`'s keyword
-    arguments: the GEMV timed at one row, the tensor-core kernel at 16 rows (its smallest M
-    tile). Returns (those arguments, {argument: {config: microseconds}})."""
+    arguments: the GEMV timed at one row, the tensor-core kernel at 16 and at 32 rows (its two
+    M tiles). Returns (those arguments, {argument: {config: microseconds}})."""
     tiles, times = {}, {}
-    for key, rows in (("gemv_config", 1), ("config", max(16, GEMV_MAX_M + 1))):
+    for key, rows in (("gemv_config", 1), ("config", 16), ("config_m32", MAX_M)):
         tiles[key], times[key] = choose_config(weight, weight_scale, rows)
     return tiles, times

@@ -77,16 +77,19 @@ def compile_all() -> None:
             _compile(rotary._kernel, types, cx)
     _compile(activation._kernel, dict(x_ptr=bf, out_ptr=bf), dict(BLOCK=1024))
     # --quantization fp8 at decode sizes: every tile of both kernels (tensor cores: 16 and 32 rows)
-    types = dict(x_ptr=bf, w_ptr=fp8, scale_ptr="*fp32", bias_ptr=bf, y_ptr=bf)
+    types = dict(x_ptr=bf, w_ptr=fp8, scale_ptr="*fp32", bias_ptr=bf, y_ptr=bf, part_ptr="*fp32")
     for cfg in fp8_gemm.GEMV_CANDIDATES:
         cx = dict(HAS_BIAS=True, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
         _compile(fp8_gemm._gemv_kernel, types, cx, cfg.num_warps, cfg.num_stages)
     for cfg in fp8_gemm.CANDIDATES:
         for block_m in (16, fp8_gemm.MAX_M):
             cx = dict(HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                      DOT_PRECISION="tf32")  # fmt: skip
+                      SPLIT_K=cfg.split_k, DOT_PRECISION="tf32")  # fmt: skip
             shared = _compile(fp8_gemm._kernel, types, cx, cfg.num_warps, cfg.num_stages)
             assert shared <= H200_SHARED_BYTES, f"fp8 gemm {cfg} needs {shared} B of shared memory"
+    for split_k in sorted({cfg.split_k for cfg in fp8_gemm.CANDIDATES} - {1}):
+        cx = dict(HAS_BIAS=True, SPLIT_K=split_k, BLOCK=fp8_gemm.REDUCE_BLOCK)
+        _compile(fp8_gemm._reduce_kernel, types, cx)
 
 
 def test_kernels_compile_for_sm90():

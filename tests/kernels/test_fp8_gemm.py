@@ -18,11 +18,13 @@ from engine.quantization import (
     fp8_weight_only_reference,
     quantize_rows,
 )
+from kernels import fp8_gemm
 from kernels.fp8_gemm import (
     CANDIDATES,
     GEMV_CANDIDATES,
     GEMV_MAX_M,
     MAX_M,
+    Fp8GemmConfig,
     default_config,
     default_gemv_config,
     fp8_weight_gemm,
@@ -138,3 +140,37 @@ def test_fp8_linear_is_weight_only_up_to_max_m_then_w8a8():
     assert max_rel_err(small, weight_only[:MAX_M]) <= tol
     assert norm_rel_err(small, w8a8[:MAX_M]) > 1e-2
     assert max_rel_err(lin(x), w8a8) <= w8a8_tol
+
+
+@pytest.mark.parametrize("m", [GEMV_MAX_M + 1, 17, MAX_M])
+def test_split_k_partials_sum_to_the_same_product(m, monkeypatch):
+    """A tile split along K: 10 K tiles over 4 splits (3, 3, 3, 1 tiles: uneven, the last
+    short and masked), fp32 partials added by `_reduce_kernel`, scale and bias applied once
+    there. `config_m32` tiles only above 16 rows, `config` up to 16: the reduce runs exactly
+    when the split tile is the one the rows select."""
+    dev = test_device()
+    n, k = 45, 9 * 32 + 5
+    q, scale = _weight(n, k, 9, dev)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(10)).to(dev)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(11)).to(dev)
+    launches = []
+    real = fp8_gemm._reduce_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(fp8_gemm, "_reduce_kernel", Counting())
+    split = Fp8GemmConfig(16, 32, 4, 2, split_k=4)
+    whole = Fp8GemmConfig(16, 32, 4, 2)
+    for b in (None, bias):
+        launches.clear()
+        out = torch.full((m, n), float("nan"), device=dev)
+        fp8_weight_gemm(x, q, scale, b, out=out, config=whole, config_m32=split)
+        assert max_rel_err(out, _reference(x, q, scale, b)) <= 1e-6
+        assert len(launches) == (1 if m > 16 else 0)
+        launches.clear()
+        fp8_weight_gemm(x, q, scale, b, out=out, config=split)  # no config_m32: `config`
+        assert max_rel_err(out, _reference(x, q, scale, b)) <= 1e-6
+        assert len(launches) == 1
