@@ -174,3 +174,56 @@ def test_split_k_partials_sum_to_the_same_product(m, monkeypatch):
         fp8_weight_gemm(x, q, scale, b, out=out, config=split)  # no config_m32: `config`
         assert max_rel_err(out, _reference(x, q, scale, b)) <= 1e-6
         assert len(launches) == 1
+
+
+@pytest.mark.parametrize(
+    "m, config",
+    [
+        (1, None),
+        (GEMV_MAX_M, Fp8GemmConfig(8, 64, 4, 2)),
+        (GEMV_MAX_M + 1, Fp8GemmConfig(16, 32, 4, 2)),
+        (MAX_M, Fp8GemmConfig(16, 32, 4, 2, split_k=3)),
+    ],
+)
+def test_gated_prologue_equals_silu_and_mul_then_the_gemm(m, config):
+    """`gated=True` takes the MLP's packed [gate | up] (2 K columns) and multiplies the weight
+    by silu(gate) * up rounded as kernels/activation.py rounds: the same as that kernel's output
+    fed to the plain GEMM, in both kernels and split along K; with bias; a K that is not a
+    multiple of the K tile (the masked tail of gate and of up)."""
+    from kernels.activation import silu_and_mul
+
+    dev = test_device()
+    n, k = 37, 5 * 32 + 3
+    q, scale = _weight(n, k, 12, dev)
+    gate_up = 3 * torch.randn(m, 2 * k, generator=torch.Generator().manual_seed(13)).to(dev)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(14)).to(dev)
+    act = silu_and_mul(gate_up)
+    ref = torch.nn.functional.silu(gate_up[:, :k].double()) * gate_up[:, k:].double()
+    assert max_rel_err(act, ref) <= 1e-6  # the unfused activation is right to begin with
+    key = "gemv_config" if m <= GEMV_MAX_M else "config"
+    tiles = {key: config} if config else {}
+    for b in (None, bias):
+        fused = fp8_weight_gemm(gate_up, q, scale, b, gated=True, **tiles)
+        assert fused.shape == (m, n)
+        assert max_rel_err(fused, _reference(act, q, scale, b)) <= 1e-6
+    with pytest.raises(AssertionError, match="gate and up"):
+        fp8_weight_gemm(gate_up[:, :-1], q, scale, gated=True)
+
+
+def test_fp8_down_projection_fuses_the_gate_where_the_kernels_run():
+    """Fp8Linear.forward_gated: on CUDA at decode sizes the fused prologue (the A/B switch
+    off gives the same numbers through two launches); above MAX_M rows and on CPU SiLU-and-mul
+    first. Equal to silu_and_mul then the layer in every case."""
+    from kernels.activation import silu_and_mul
+
+    dev = test_device()
+    w = torch.randn(24, 96, generator=torch.Generator().manual_seed(15))
+    lin = Fp8Linear(w.to(dev), None)
+    for rows in (1, MAX_M, MAX_M + 1):
+        gate_up = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).to(dev)
+        want = lin(silu_and_mul(gate_up))
+        lin.gated_prologue = True
+        fused = lin.forward_gated(gate_up)
+        lin.gated_prologue = False
+        unfused = lin.forward_gated(gate_up)
+        assert max_rel_err(fused, want) <= 1e-5 and torch.equal(unfused, want)
