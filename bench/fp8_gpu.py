@@ -89,24 +89,6 @@ def _gemm_row(w: torch.Tensor, lin, tuned: dict, m: int, ceil: dict) -> dict:
     }
 
 
-def _gated_row(lin, tuned: dict, m: int) -> dict:
-    """The down projection from the MLP's [gate | up]: SiLU-and-mul then the GEMM (two
-    launches) against the GEMM with SiLU-and-mul in its prologue (`Fp8Linear.forward_gated`)."""
-    from kernels.activation import silu_and_mul
-    from kernels.fp8_gemm import fp8_weight_gemm
-
-    gate_up = torch.randn(m, 2 * lin.in_features, device="cuda", dtype=torch.bfloat16)
-    args = (lin.weight, lin.weight_scale)
-    return {
-        "act_then_gemm_us": graph_time_us(
-            lambda: fp8_weight_gemm(silu_and_mul(gate_up), *args, **tuned)
-        ),
-        "gated_prologue_us": graph_time_us(
-            lambda: fp8_weight_gemm(gate_up, *args, gated=True, **tuned)
-        ),
-    }
-
-
 @torch.inference_mode()
 def gemms(ceil: dict) -> dict:
     """Each decoder GEMM alone; the tuned tiles as `tune_fp8_small_m` picks them."""
@@ -121,8 +103,6 @@ def gemms(ceil: dict) -> dict:
         out["tiles"][name] = {key: str(c) for key, c in tuned.items()}
         for m in GEMM_ROWS:
             out[f"{name}_m{m}"] = _gemm_row(w, lin, tuned, m, ceil)
-            if name == "down":
-                out[f"{name}_m{m}"] |= _gated_row(lin, tuned, m)
     _free()
     return out
 
@@ -242,11 +222,6 @@ def main() -> None:
                                            "weight_only_tuned_us", "fp8_floor_us")))
              for g, r in results["gemms"].items() if g != "tiles"],
             ("gemm", "bf16 us", "w8a8 us", "w-only us", "tuned us", "fp8 floor us"),
-        )  # fmt: skip
-        print_table(
-            [(g, f"{r['act_then_gemm_us']:.1f}", f"{r['gated_prologue_us']:.1f}")
-             for g, r in results["gemms"].items() if "gated_prologue_us" in r],
-            ("down from gate_up", "act + gemm us", "gated prologue us"),
         )  # fmt: skip
         with tempfile.TemporaryDirectory() as tmp:
             path = make_config_dir("qwen3-8b", Path(tmp))

@@ -71,9 +71,6 @@ class Fp8Linear(nn.Module):
         # The weight-only kernels' tiles as fp8_weight_gemm's arguments (`tune_fp8_small_m`
         # on CUDA at start-up; empty: their defaults).
         self.tiles: dict[str, Fp8GemmConfig] = {}
-        # `forward_gated` fuses SiLU-and-mul into the weight-only kernels (off: two launches,
-        # for an A/B in bench/fp8_gpu.py).
-        self.gated_prologue = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= WEIGHT_ONLY_MAX_M:
@@ -84,20 +81,6 @@ class Fp8Linear(nn.Module):
                 x.dtype
             )
         return self.w8a8(x)
-
-    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """This layer (a down projection) applied to silu(gate) * up of a gated MLP's packed
-        [gate | up]: at decode sizes on CUDA in the weight-only kernel's prologue (one launch,
-        no intermediate), else through kernels/activation.py first."""
-        from kernels.activation import silu_and_mul
-
-        rows = gate_up.shape[0] if gate_up.dim() == 2 else WEIGHT_ONLY_MAX_M + 1
-        if self.gated_prologue and gate_up.is_cuda and rows <= WEIGHT_ONLY_MAX_M:
-            gate_up = gate_up if gate_up.stride(1) == 1 else gate_up.contiguous()
-            return fp8_weight_gemm(
-                gate_up, self.weight, self.weight_scale, self.bias, gated=True, **self.tiles
-            )
-        return self(silu_and_mul(gate_up))
 
     def w8a8(self, x: torch.Tensor) -> torch.Tensor:
         """The prefill-size path at any size: activations quantized per token."""

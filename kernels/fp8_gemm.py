@@ -50,24 +50,10 @@ GEMV_MAX_M = 2
 
 
 @triton.jit
-def _load_x(ptrs, mask, K, GATED: tl.constexpr):
-    """x's values at `ptrs`, or with GATED silu(gate) * up of the gated MLP's packed [gate | up]
-    rows (2 K wide), rounded as kernels/activation.py rounds: the down projection's prologue,
-    in place of a separate SiLU-and-mul launch and its round trip through memory."""
-    if GATED:
-        gate = tl.load(ptrs, mask=mask, other=0.0)
-        up = tl.load(ptrs + K, mask=mask, other=0.0)
-        g = gate.to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(up.dtype)
-        return (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
-    return tl.load(ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K,
     stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -79,7 +65,7 @@ def _gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         k = k0 + rk
         k_mask = k < K
-        x = _load_x(x_row + k, k_mask, K, GATED).to(tl.float32)
+        x = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1) * tl.load(scale_ptr + rn, mask=n_mask, other=0.0)
@@ -92,7 +78,7 @@ def _gemv_kernel(
 def _kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, M, N, K,
     stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -111,7 +97,7 @@ def _kernel(
     for k0 in range(k_begin, tl.minimum(k_begin + k_span, K), BLOCK_K):
         k = k0 + rk
         k_mask = k < K
-        x = _load_x(x_rows + k[None, :], m_mask[:, None] & k_mask[None, :], K, GATED)
+        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_cols + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
     mn_mask = m_mask[:, None] & n_mask[None, :]
@@ -204,21 +190,15 @@ def fp8_weight_gemm(
     config: Fp8GemmConfig | None = None,
     gemv_config: Fp8GemmConfig | None = None,
     config_m32: Fp8GemmConfig | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (bf16, fp16 or fp32, M <= MAX_M) times e4m3 `weight` [N, K] with fp32
     `weight_scale` (N values, per output channel) -> [M, N] in x's dtype. `gemv_config` tiles
     `_gemv_kernel` (M <= GEMV_MAX_M), `config` the tensor-core kernel up to 16 rows (one M tile
-    of 16), `config_m32` above that (one M tile of 32; `config` when not given). `gated`: x is
-    a gated MLP's packed [gate | up] ([M, 2 K]) and the product is silu(gate) * up times the
-    weight (kernels/activation.py's rounding), without materializing silu(gate) * up."""
+    of 16), `config_m32` above that (one M tile of 32; `config` when not given)."""
     assert x.dim() == 2 and weight.dim() == 2 and weight.dtype == FP8
-    m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
+    m, k = x.shape
     n = weight.shape[0]
-    assert weight.shape[1] == k and (not gated or x.shape[1] == 2 * k), (
-        f"x has {x.shape[1]} columns{' (gate and up)' if gated else ''}, "
-        f"the weight {weight.shape[1]}"
-    )
+    assert weight.shape[1] == k, f"x has {k} columns, the weight {weight.shape[1]}"
     assert m <= MAX_M, f"fp8_weight_gemm is for at most {MAX_M} rows, got {m}"
     assert x.stride(1) == 1 and weight.stride(1) == 1
     scale = weight_scale.reshape(-1)
@@ -235,7 +215,7 @@ def fp8_weight_gemm(
         _gemv_kernel[(m, triton.cdiv(n, cfg.block_n))](
             x, weight, scale, bias if bias is not None else scale, out, n, k,
             x.stride(0), weight.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         return out
@@ -251,7 +231,7 @@ def fp8_weight_gemm(
     _kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), split_k)](
         x, weight, scale, b, out, part, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=split_k, DOT_PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

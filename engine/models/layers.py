@@ -195,10 +195,7 @@ class MLP(nn.Module):
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
         from kernels.activation import silu_and_mul
 
-        gate_up = self.gate_up_proj(x)
-        if hasattr(self.down_proj, "forward_gated"):  # FP8: SiLU-and-mul in its prologue
-            return self.down_proj.forward_gated(gate_up)
-        return self.down_proj(silu_and_mul(gate_up))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

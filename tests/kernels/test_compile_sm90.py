@@ -79,13 +79,12 @@ def compile_all() -> None:
     # --quantization fp8 at decode sizes: every tile of both kernels (tensor cores: 16 and 32 rows)
     types = dict(x_ptr=bf, w_ptr=fp8, scale_ptr="*fp32", bias_ptr=bf, y_ptr=bf, part_ptr="*fp32")
     for cfg in fp8_gemm.GEMV_CANDIDATES:
-        for gated in (False, True):  # gated: the down projection's SiLU-and-mul prologue
-            cx = dict(HAS_BIAS=True, GATED=gated, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
-            _compile(fp8_gemm._gemv_kernel, types, cx, cfg.num_warps, cfg.num_stages)
+        cx = dict(HAS_BIAS=True, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+        _compile(fp8_gemm._gemv_kernel, types, cx, cfg.num_warps, cfg.num_stages)
     for cfg in fp8_gemm.CANDIDATES:
         for block_m in (16, fp8_gemm.MAX_M):
-            cx = dict(HAS_BIAS=True, GATED=block_m > 16, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-                      BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, DOT_PRECISION="tf32")  # fmt: skip
+            cx = dict(HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                      SPLIT_K=cfg.split_k, DOT_PRECISION="tf32")  # fmt: skip
             shared = _compile(fp8_gemm._kernel, types, cx, cfg.num_warps, cfg.num_stages)
             assert shared <= H200_SHARED_BYTES, f"fp8 gemm {cfg} needs {shared} B of shared memory"
     for split_k in sorted({cfg.split_k for cfg in fp8_gemm.CANDIDATES} - {1}):
