@@ -147,6 +147,11 @@ GEMV_CANDIDATES = (
     Fp8GemmConfig(32, 256, 4, 2),
     Fp8GemmConfig(16, 1024, 8, 2),
     Fp8GemmConfig(4, 2048, 4, 2),
+    # 8 warps, the same 64 accumulators a thread: twice the bytes in flight per program.
+    Fp8GemmConfig(32, 512, 8, 2),
+    Fp8GemmConfig(8, 2048, 8, 2),
+    Fp8GemmConfig(64, 256, 8, 2),
+    Fp8GemmConfig(4, 4096, 8, 2),
 )
 # Tensor cores: narrow tiles for small N (a full grid), wider ones and deeper K tiles where N
 # alone fills the GPU, and wide tiles split along K (fewer reads of x, a full grid anyway).
