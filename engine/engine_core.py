@@ -240,9 +240,13 @@ class EngineCore:
         if not self._may_pipeline() or not self.runner.can_launch_async(sched):
             return False
         # The launched token must be one the request may still produce; a prefill-role request
-        # ships its blocks as soon as they count as computed, so it only ever runs in sync.
+        # ships its blocks as soon as they count as computed, so it only ever runs in sync; a
+        # first output token that carries prompt logprobs (a prompt whose last chunk is one
+        # token) runs in sync, where `_execute` attaches them.
         return all(
-            s.request.num_output_tokens < s.request.max_tokens and not s.request.hold_blocks
+            s.request.num_output_tokens < s.request.max_tokens
+            and not s.request.hold_blocks
+            and not (s.request.wants_prompt_logprobs and s.request.num_output_tokens == 0)
             for s in sched.scheduled
         )
 

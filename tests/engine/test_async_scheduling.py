@@ -293,3 +293,30 @@ def test_reasoning_then_grammar_in_the_pipeline(engines, monkeypatch):
     # Grammar steps were pipelined with a mask, reasoning steps without one. How many of the
     # grammar's steps pipeline depends on when its compile lands (another thread), so >= 1.
     assert masked >= 1 and len(split) - masked >= 2
+
+
+def test_prompt_logprobs_when_the_last_chunk_is_one_token(tiny_qwen3_path):
+    """A prompt chunked so that its last chunk is a single token schedules like a decode row
+    (one new token, greedy): the pipeline may launch it, and the first output token it resolves
+    must still carry the prompt's logprobs, as the synchronous engine's does (H200, SmolLM2:
+    prompt_logprobs came back None for such prompts)."""
+    prompt = list(range(3, 3 + 17))  # chunks of 8, 8, 1
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2)
+    outs = []
+    for async_scheduling in (False, True):
+        llm = LLM(
+            str(tiny_qwen3_path),
+            async_scheduling=async_scheduling,
+            max_num_batched_tokens=8,
+            long_prefill_token_threshold=8,
+            dtype="float32",
+        )
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params)
+        outs.append(out)
+    sync, asyn = outs
+    assert sync.prompt_logprobs is not None and len(sync.prompt_logprobs) == len(prompt)
+    assert asyn.prompt_logprobs is not None, "prompt_logprobs lost in the pipeline"
+    assert len(asyn.prompt_logprobs) == len(prompt)
+    for a, b in zip(sync.prompt_logprobs[1:], asyn.prompt_logprobs[1:]):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-5 for t in a)
+    assert asyn.outputs[0].token_ids == sync.outputs[0].token_ids
