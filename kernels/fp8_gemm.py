@@ -54,6 +54,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    REDUCE_EACH: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -61,14 +62,22 @@ def _gemv_kernel(
     n_mask = rn < N
     x_row = x_ptr + row * stride_xm
     w_rows = w_ptr + rn[:, None] * stride_wn
+    # REDUCE_EACH: sum across K at every tile (a shuffle tree per tile; fewer registers, so
+    # more programs per SM and more loads in flight), else once at the end.
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_n = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + rk
         k_mask = k < K
         x = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
-    y = tl.sum(acc, axis=1) * tl.load(scale_ptr + rn, mask=n_mask, other=0.0)
+        if REDUCE_EACH:
+            acc_n += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        else:
+            acc += w.to(tl.float32) * x[None, :]
+    if not REDUCE_EACH:
+        acc_n = tl.sum(acc, axis=1)
+    y = acc_n * tl.load(scale_ptr + rn, mask=n_mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
@@ -137,6 +146,7 @@ class Fp8GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1  # the tensor-core kernel's programs along K (1: no partials, no reduce)
+    reduce_each: bool = False  # the GEMV's REDUCE_EACH
 
 
 # What `choose_config` times on the GPU. GEMV: BLOCK_N x BLOCK_K fp32 accumulators per program
@@ -152,6 +162,12 @@ GEMV_CANDIDATES = (
     Fp8GemmConfig(8, 2048, 8, 2),
     Fp8GemmConfig(64, 256, 8, 2),
     Fp8GemmConfig(4, 4096, 8, 2),
+    # Summed every tile: registers for more programs per SM.
+    Fp8GemmConfig(16, 512, 4, 2, reduce_each=True),
+    Fp8GemmConfig(8, 1024, 4, 2, reduce_each=True),
+    Fp8GemmConfig(32, 512, 8, 2, reduce_each=True),
+    Fp8GemmConfig(16, 1024, 8, 2, reduce_each=True),
+    Fp8GemmConfig(4, 2048, 4, 2, reduce_each=True),
 )
 # Tensor cores: narrow tiles for small N (a full grid), wider ones and deeper K tiles where N
 # alone fills the GPU, and wide tiles split along K (fewer reads of x, a full grid anyway).
@@ -221,6 +237,7 @@ def fp8_weight_gemm(
             x, weight, scale, bias if bias is not None else scale, out, n, k,
             x.stride(0), weight.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            REDUCE_EACH=cfg.reduce_each,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         return out

@@ -79,7 +79,8 @@ def compile_all() -> None:
     # --quantization fp8 at decode sizes: every tile of both kernels (tensor cores: 16 and 32 rows)
     types = dict(x_ptr=bf, w_ptr=fp8, scale_ptr="*fp32", bias_ptr=bf, y_ptr=bf, part_ptr="*fp32")
     for cfg in fp8_gemm.GEMV_CANDIDATES:
-        cx = dict(HAS_BIAS=True, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+        cx = dict(HAS_BIAS=True, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  REDUCE_EACH=cfg.reduce_each)  # fmt: skip
         _compile(fp8_gemm._gemv_kernel, types, cx, cfg.num_warps, cfg.num_stages)
     for cfg in fp8_gemm.CANDIDATES:
         for block_m in (16, fp8_gemm.MAX_M):
