@@ -4,8 +4,9 @@ A pure ASGI middleware, the innermost of the gateway's own (gateway/app.py). Eve
 it runs for these two routes as for any other: the 500 handler, the access log, CORS, the
 edge (allowlist, body size, auth), load shedding. What it skips is what FastAPI adds inside
 them for every request: the exception middleware, the router's match over every route, the
-endpoint's exit stacks, dependency solving and the wrappers of `send` (measured with
-bench/gateway_overhead.py: ~0.4 ms of CPU per small chat completion on 2 cores).
+endpoint's exit stacks, dependency solving and a wrapper of `send` (bench/gateway_overhead.py,
+a small chat completion on 2 cores: FastAPI's share 0.32 -> 0.08 ms of CPU, the whole request
+-0.17 ms, ~5%; bench/results/gateway_overhead_cpu_vs_main-2026-12-03.json).
 
 The endpoints are the functions FastAPI would call (gateway/routes/chat.py, completions.py),
 given the state and principal their dependencies would give them (gateway/deps.py). They parse
