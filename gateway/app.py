@@ -16,6 +16,7 @@ from gateway.deps import GatewayState
 from gateway.dispatch import Dispatcher
 from gateway.edge import Edge
 from gateway.errors import install_handlers
+from gateway.fast_routes import FastRoutes
 from gateway.kv_router import KVRouter, RoutingCollector
 from gateway.logprobs import TokenTexts
 from gateway.model_info import ModelInfo, load_model_info
@@ -53,7 +54,11 @@ def build_state(
     )
 
 
-def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> FastAPI:
+def create_app(
+    settings: GatewaySettings, state: GatewayState | None = None, *, fast_routes: bool = True
+) -> FastAPI:
+    """`fast_routes=False`: the completion routes go through FastAPI's routing too (what the
+    tests hold gateway/fast_routes.py to)."""
     state = state or build_state(settings)
     shedder = Shedder(settings, state.edge.metrics)
 
@@ -90,6 +95,14 @@ def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> 
     state.edge.internal_documents["/openapi.json"] = lambda: openapi.schema_bytes(app)
     if isinstance(state.router, KVRouter):  # route decisions, local prefills, degraded mode
         state.edge.metrics.registry.register(RoutingCollector(state.router))
+    if fast_routes:  # added first: innermost, the middlewares added next run for it too
+        endpoints = {
+            "/v1/chat/completions": chat.create_chat_completion,
+            "/v1/completions": completions.create_completion,
+        }
+        app.add_middleware(
+            FastRoutes, state=state, endpoints=endpoints, handlers=app.exception_handlers
+        )
     # Overload: 503 before a body is parsed (inside the edge: unknown paths stay 404s).
     app.add_middleware(SheddingMiddleware, shedder=shedder)
     state.edge.install(app)  # allowlist, auth, CORS: inside the access log

@@ -4,7 +4,7 @@
 and stops it in the lifespan (the Redis client and the metrics exporter need a running loop /
 thread, and must close with the app). Middleware order, outermost first:
 access log → CORS (only with configured origins) → `EdgeMiddleware` (allowlist, body size,
-auth) → routes.
+auth) → load shedding → the completion routes' fast path (gateway/fast_routes.py) → routes.
 """
 
 from __future__ import annotations
