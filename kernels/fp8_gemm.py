@@ -15,7 +15,8 @@ layer than the W8A8 path, not further.
 Two kernels:
 - `_gemv_kernel`, up to GEMV_MAX_M rows: one program per (row, BLOCK_N outputs), elementwise
   products of the weight tile and x's slice accumulated in fp32 registers and summed once at
-  the end; no tensor cores, so no shared-memory staging of a 1-row operand. (H200: the
+  the end, or across K at every tile (`reduce_each`: fewer registers, more programs per SM);
+  no tensor cores, so no shared-memory staging of a 1-row operand. (H200: the
   tensor-core tile at one row reached ~40% of the copy bandwidth, about bf16 cuBLAS's time for
   half the bytes; this kernel 60-85%.)
 - `_kernel` (tensor cores, one [BLOCK_M, BLOCK_N] tile) above that, up to MAX_M rows: each
