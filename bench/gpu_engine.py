@@ -11,7 +11,12 @@ Measured:
 - offline throughput, Qwen3-8B, N prompts of 512 in / 128 out: output tok/s vs the compute floor;
 - HF transformers `generate` TPOT at batch 1 on the same shapes (eager, SDPA).
 
+With `--variants bf16,fp8,kv-fp8` the same figures for FP8 weights and the FP8 KV cache, under
+`results.<model>.fp8` / `.kv-fp8` beside the bf16 ones. The offline job also reports the GPU's
+idle time between engine steps (CUDA events around every step), by the kinds of step around it.
+
     python -m bench.gpu_engine --out-dir bench/results [--models qwen3-8b] [--skip-hf]
+        [--variants bf16,fp8,kv-fp8] [--offline-configs 256:8192]
 """
 
 from __future__ import annotations
@@ -30,6 +35,11 @@ from transformers import Qwen3Config
 from bench.common import write_result
 from engine import LLM, SamplingParams
 from engine.request import Request
+
+# The engine variants a run can measure: bf16 as the baseline, FP8 weights (`--quantization
+# fp8`) and the FP8 KV cache (`--kv-cache-dtype fp8`). bf16's figures sit at the top of a
+# model's results, as before variants existed; the others' under their name.
+VARIANTS = {"bf16": {}, "fp8": {"quantization": "fp8"}, "kv-fp8": {"kv_cache_dtype": "fp8"}}
 
 SHAPES = {
     "qwen3-0.6b": dict(
@@ -128,7 +138,11 @@ def weight_bytes(llm: LLM) -> int:
 
 
 def param_count(llm: LLM) -> int:
-    return sum(p.numel() for p in llm.engine.runner.model.parameters())
+    """Weights counted once whatever their storage (FP8 weights are buffers)."""
+    model = llm.engine.runner.model
+    return sum(p.numel() for p in model.parameters()) + sum(
+        b.numel() for name, b in model.named_buffers() if name.endswith("weight")
+    )
 
 
 def hf_tpot(path: Path, prompt_len: int, new_tokens: int) -> float:
@@ -171,10 +185,12 @@ def dummy_llm(path: Path, dtype: str = "bfloat16", **llm_kwargs) -> LLM:
     )
 
 
-def bench_model(name: str, path: Path, ceil: dict, args) -> dict:
+def bench_model(name: str, path: Path, ceil: dict, args, **llm_kwargs) -> dict:
+    """`llm_kwargs`: a variant's engine arguments (`VARIANTS`)."""
     copy_bps = ceil["copy_GBps"] * 1e9
-    res: dict = {}
-    llm = dummy_llm(path)
+    t = time.perf_counter()
+    llm = dummy_llm(path, **llm_kwargs)
+    res: dict = {"init_s": time.perf_counter() - t}  # with FP8 weights: their tile tuning
     kv_tok = llm.config.kv_bytes_per_token()
     wb, n_params = weight_bytes(llm), param_count(llm)
     res["weight_GB"] = wb / 1e9
@@ -212,10 +228,10 @@ def bench_model(name: str, path: Path, ceil: dict, args) -> dict:
         for cfg in args.offline_configs.split(","):
             max_seqs, max_tokens = (int(x) for x in cfg.split(":"))
             res[f"offline_{max_seqs}_{max_tokens}"] = offline(
-                path, args.num_prompts, max_seqs, max_tokens, n_params, ceil
+                path, args.num_prompts, max_seqs, max_tokens, n_params, ceil, **llm_kwargs
             )
             torch.cuda.empty_cache()
-    if not args.skip_hf:
+    if not args.skip_hf and not llm_kwargs:
         res["hf_b1_tpot_ms"] = hf_tpot(path, 512, 33) * 1e3
     return res
 
@@ -237,25 +253,46 @@ def offline(
         max_num_batched_tokens=max_batched,
         gpu_memory_utilization=0.9,
     )
-    runner = llm.engine.runner
-    execute, launch, trace = runner.execute, runner.launch_decode, []
+    runner, sched_ = llm.engine.runner, llm.engine.scheduler
+    execute, launch, schedule, trace = runner.execute, runner.launch_decode, sched_.schedule, []
+    spans: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+    host = {"schedule_s": 0.0}
+
+    def span(kind: str, fn, *a):
+        """Run fn, and bracket the GPU work it enqueues with two events: the stream's idle
+        time between consecutive steps is the gap between one step's end event and the
+        next one's start event (zero while the GPU still runs the step before)."""
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        out = fn(*a)
+        e1.record()
+        spans.append((kind, e0, e1))
+        return out
 
     def timed(sched, kv):
         t = time.perf_counter()
-        out = execute(sched, kv)
         new = [s.num_new_tokens for s in sched.scheduled]
+        out = span("decode_only" if max(new) == 1 else "mixed", execute, sched, kv)
         trace.append((max(new) == 1, len(new), sum(new), time.perf_counter() - t))
         return out
 
     def launched(sched, kv, prev):  # host time only: the GPU runs on
         t = time.perf_counter()
-        out = launch(sched, kv, prev)
+        out = span("async_decode", launch, sched, kv, prev)
         trace.append(("async", len(sched.scheduled), len(sched.scheduled), time.perf_counter() - t))
         return out
 
-    runner.execute, runner.launch_decode = timed, launched
+    def scheduled():
+        t = time.perf_counter()
+        out = schedule()
+        host["schedule_s"] += time.perf_counter() - t
+        return out
+
+    runner.execute, runner.launch_decode, sched_.schedule = timed, launched, scheduled
     llm.generate(random_prompts(64, 512, 4), SamplingParams(temperature=0, max_tokens=8))
     trace.clear()
+    spans.clear()
+    host["schedule_s"] = 0.0
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -272,7 +309,12 @@ def offline(
             "execute_s": sum(r[3] for r in rows),
             "mean_seqs": statistics.mean(r[1] for r in rows) if rows else 0,
             "mean_tokens": statistics.mean(r[2] for r in rows) if rows else 0,
+            "gpu_span_s": sum(e0.elapsed_time(e1) for k, e0, e1 in spans if k == kind) / 1e3,
         }
+    idle: dict[str, float] = {}  # the GPU's idle time before a step, by (previous, this) kind
+    for (k0, _, end), (k1, start, _) in zip(spans, spans[1:]):
+        key = f"{k0}->{k1}"
+        idle[key] = idle.get(key, 0.0) + max(0.0, end.elapsed_time(start)) / 1e3
     res = {
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_batched,
@@ -283,6 +325,9 @@ def offline(
         "wall_over_floor": wall / floor_s,
         "preemptions": llm.engine.scheduler.num_preemptions,
         "outside_execute_s": wall - sum(r[3] for r in trace),
+        "gpu_idle_between_steps_s": sum(idle.values()),
+        "gpu_idle_between_steps_by_kind_s": idle,
+        "schedule_s": host["schedule_s"],
         **kinds,
     }
     print("offline", json.dumps(res), flush=True)
@@ -301,19 +346,35 @@ def main() -> None:
         default="256:8192,512:16384",
         help="max_num_seqs:max_num_batched_tokens pairs for the offline job",
     )
+    ap.add_argument(
+        "--variants",
+        default="bf16",
+        help=f"comma-separated, of {sorted(VARIANTS)}; rows other than bf16 go under their name",
+    )
     args = ap.parse_args()
+    variants = args.variants.split(",")
+    if unknown := set(variants) - set(VARIANTS):
+        ap.error(f"unknown --variants {sorted(unknown)}; use some of {sorted(VARIANTS)}")
     ceil = ceilings()
     print("ceilings", ceil, flush=True)
-    results = {}
+    results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            t = time.perf_counter()
-            results[name] = bench_model(name, make_config_dir(name, Path(tmp)), ceil, args)
-            results[name]["bench_wall_s"] = time.perf_counter() - t
-            print(name, json.dumps(results[name], indent=1), flush=True)
+            path = make_config_dir(name, Path(tmp))
+            results[name] = {}
+            for variant in variants:
+                t = time.perf_counter()
+                res = bench_model(name, path, ceil, args, **VARIANTS[variant])
+                res["bench_wall_s"] = time.perf_counter() - t
+                print(name, variant, json.dumps(res, indent=1), flush=True)
+                if variant == "bf16":
+                    results[name].update(res)
+                else:
+                    results[name][variant] = res
     figures = {"ceilings": ceil, **results}
     config = {
         "dtype": "bfloat16",
+        "variants": {v: VARIANTS[v] for v in variants},
         "block_size": 16,
         "cuda_graphs": True,
         "gpu": torch.cuda.get_device_name(),
@@ -322,20 +383,26 @@ def main() -> None:
     }
     if args.out_dir:
         write_result("gpu_engine", config, figures, results_dir=Path(args.out_dir))
-    print("\nmodel        | TPOT b1 ms | floor ms | x floor | HF TPOT ms")
-    for name, r in results.items():
-        b1 = r["b1_ctx512"]
-        print(
-            f"{name:12} | {b1['tpot_ms']:10.2f} | {b1['floor_ms']:8.2f} | "
-            f"{b1['tpot_over_floor']:7.2f} | {r.get('hf_b1_tpot_ms', float('nan')):.1f}"
-        )
-    if "qwen3-8b" in results:
-        r = results["qwen3-8b"]
-        print("8B b64 ctx1024 step", r["b64_ctx1024"])
-        print("8B prefill 4096", r["prefill_4096"])
-        for k, v in r.items():
-            if k.startswith("offline"):
-                print(f"8B {k}: {v['output_tok_s']:.0f} tok/s, {v['wall_over_floor']:.2f}x floor")
+    print("\nmodel        | variant | TPOT b1 ms | floor ms | x floor | HF TPOT ms")
+    for name, by_model in results.items():
+        for variant in variants:
+            r = by_model if variant == "bf16" else by_model.get(variant)
+            if r is None or "b1_ctx512" not in r:
+                continue
+            b1 = r["b1_ctx512"]
+            print(
+                f"{name:12} | {variant:7} | {b1['tpot_ms']:10.2f} | {b1['floor_ms']:8.2f} | "
+                f"{b1['tpot_over_floor']:7.2f} | {r.get('hf_b1_tpot_ms', float('nan')):.1f}"
+            )
+            if "b64_ctx1024" in r:
+                print(f"  b64 ctx1024 step {r['b64_ctx1024']['step_ms']:.2f} ms")
+                print(f"  prefill 4096 {r['prefill_4096']['TFLOPs']:.0f} TFLOP/s")
+            for k, v in r.items():
+                if k.startswith("offline"):
+                    print(
+                        f"  {k}: {v['output_tok_s']:.0f} tok/s, {v['wall_over_floor']:.2f}x "
+                        f"floor, GPU idle between steps {v['gpu_idle_between_steps_s']:.2f} s"
+                    )
 
 
 if __name__ == "__main__":
