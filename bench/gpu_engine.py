@@ -22,6 +22,7 @@ idle time between engine steps (CUDA events around every step), by the kinds of 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -223,25 +224,41 @@ def bench_model(name: str, path: Path, ceil: dict, args, **llm_kwargs) -> dict:
             "fraction_of_matmul_ceiling": flops / pre / 1e12 / ceil["matmul_bf16_TFLOPs"],
         }
     del llm
-    torch.cuda.empty_cache()
+    _free_gpu()
     if name == "qwen3-8b":
         for cfg in args.offline_configs.split(","):
             max_seqs, max_tokens = (int(x) for x in cfg.split(":"))
-            res[f"offline_{max_seqs}_{max_tokens}"] = offline(
-                path, args.num_prompts, max_seqs, max_tokens, n_params, ceil, **llm_kwargs
-            )
-            torch.cuda.empty_cache()
+            for freeze in (False, True) if args.gc_freeze else (False,):
+                key = f"offline_{max_seqs}_{max_tokens}" + ("_gc_freeze" if freeze else "")
+                res[key] = offline(
+                    path,
+                    args.num_prompts,
+                    max_seqs,
+                    max_tokens,
+                    n_params,
+                    ceil,
+                    freeze,
+                    **llm_kwargs,
+                )
     if not args.skip_hf and not llm_kwargs:
         res["hf_b1_tpot_ms"] = hf_tpot(path, 512, 33) * 1e3
     return res
 
 
 def offline(
-    path: Path, n: int, max_num_seqs: int, max_batched: int, n_params: int, ceil, **llm_kwargs
+    path: Path,
+    n: int,
+    max_num_seqs: int,
+    max_batched: int,
+    n_params: int,
+    ceil,
+    gc_freeze: bool = False,
+    **llm_kwargs,
 ) -> dict:
     """N prompts of 512 in / 128 out through `LLM.generate`; every engine step's execute time
     is recorded by kind (decode-only batches take the CUDA graphs, mixed ones run eager).
-    `llm_kwargs`: more engine arguments (e.g. quantization="fp8")."""
+    `gc_freeze`: freeze the GC's heap after start-up; `llm_kwargs`: more engine arguments (e.g.
+    quantization="fp8")."""
     llm = LLM(
         str(path),
         **llm_kwargs,
@@ -253,10 +270,27 @@ def offline(
         max_num_batched_tokens=max_batched,
         gpu_memory_utilization=0.9,
     )
+    if gc_freeze:  # as vLLM does after start-up: the engine's objects out of the GC's way
+        gc.collect()
+        gc.freeze()
     runner, sched_ = llm.engine.runner, llm.engine.scheduler
     execute, launch, schedule, trace = runner.execute, runner.launch_decode, sched_.schedule, []
     spans: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-    host = {"schedule_s": 0.0}
+    core_step = llm.engine.step
+    host = {
+        "step_s": 0.0,
+        "schedule_s": 0.0,
+        "gc_s": 0.0,
+        "gc_collections": [0, 0, 0],
+        "gc_t0": 0.0,
+    }
+
+    def gc_timer(phase: str, info: dict) -> None:
+        if phase == "start":
+            host["gc_t0"] = time.perf_counter()
+        else:
+            host["gc_s"] += time.perf_counter() - host["gc_t0"]
+            host["gc_collections"][info["generation"]] += 1
 
     def span(kind: str, fn, *a):
         """Run fn, and bracket the GPU work it enqueues with two events: the stream's idle
@@ -282,6 +316,12 @@ def offline(
         trace.append(("async", len(sched.scheduled), len(sched.scheduled), time.perf_counter() - t))
         return out
 
+    def stepped():
+        t = time.perf_counter()
+        out = core_step()
+        host["step_s"] += time.perf_counter() - t
+        return out
+
     def scheduled():
         t = time.perf_counter()
         out = schedule()
@@ -289,16 +329,21 @@ def offline(
         return out
 
     runner.execute, runner.launch_decode, sched_.schedule = timed, launched, scheduled
+    llm.engine.step = stepped
     llm.generate(random_prompts(64, 512, 4), SamplingParams(temperature=0, max_tokens=8))
     trace.clear()
     spans.clear()
-    host["schedule_s"] = 0.0
+    host["schedule_s"] = host["step_s"] = 0.0
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     torch.cuda.synchronize()
+    gc.callbacks.append(gc_timer)
     t = time.perf_counter()
-    outs = llm.generate(random_prompts(n, 512, 3), params)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t
+    try:
+        outs = llm.generate(random_prompts(n, 512, 3), params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    finally:
+        gc.callbacks.remove(gc_timer)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     floor_s = 2 * n_params * n * (512 + 128) / (ceil["matmul_bf16_TFLOPs"] * 1e12)
     kinds = {}
@@ -328,11 +373,25 @@ def offline(
         "gpu_idle_between_steps_s": sum(idle.values()),
         "gpu_idle_between_steps_by_kind_s": idle,
         "schedule_s": host["schedule_s"],
+        "outside_engine_step_s": wall - host["step_s"],  # LLM.generate's own work
+        "gc_freeze": gc_freeze,
+        "gc_s": host["gc_s"],  # the cyclic garbage collector's pauses, by generation below
+        "gc_collections": host["gc_collections"],
         **kinds,
     }
     print("offline", json.dumps(res), flush=True)
-    del llm, runner
+    del runner.execute, runner.launch_decode, sched_.schedule  # the classes' methods again
+    del llm.engine.step
+    del llm, runner, sched_
+    gc.unfreeze()
+    _free_gpu()
     return res
+
+
+def _free_gpu() -> None:
+    """Drop an engine's memory before the next: its cycles (bound methods, graphs) hold it."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -345,6 +404,9 @@ def main() -> None:
         "--offline-configs",
         default="256:8192,512:16384",
         help="max_num_seqs:max_num_batched_tokens pairs for the offline job",
+    )
+    ap.add_argument(
+        "--gc-freeze", action="store_true", help="also run each offline job with gc.freeze()"
     )
     ap.add_argument(
         "--variants",
