@@ -58,15 +58,17 @@ def main() -> None:
             gpu_memory_utilization=0.9,
         )
     runner, prof = llm.engine.runner, cProfile.Profile()
-    execute, marks = runner.execute, []
+    execute, marks, profiling = runner.execute, [], [False]
 
     def unprofiled(sched, kv):  # the step itself: off the profile
-        prof.disable()
+        if profiling[0]:
+            prof.disable()
         t = time.perf_counter()
         out = execute(sched, kv)
         mixed = max(s.num_new_tokens for s in sched.scheduled) > 1
         marks.append((t, time.perf_counter(), "mixed" if mixed else "decode"))
-        prof.enable()
+        if profiling[0]:  # (Python 3.12: enabling an enabled profiler raises)
+            prof.enable()
         return out
 
     runner.execute = unprofiled
@@ -74,9 +76,11 @@ def main() -> None:
     marks.clear()
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     t = time.perf_counter()
+    profiling[0] = True
     prof.enable()
     llm.generate(random_prompts(args.num_prompts, 512, 3), params)
     prof.disable()
+    profiling[0] = False
     wall = time.perf_counter() - t
     gaps: dict[str, list[float]] = {}
     for (_, end, k0), (start, _, k1) in zip(marks, marks[1:]):

@@ -30,7 +30,15 @@ def _compile(jit, types: dict, constexprs: dict, num_warps: int = 4, num_stages:
 
 
 def compile_all() -> None:
-    from kernels import activation, fp8_gemm, kv_cache_write, prefill_attention, rms_norm, rotary
+    from kernels import (
+        activation,
+        fp8_gemm,
+        fp8_quant,
+        kv_cache_write,
+        prefill_attention,
+        rms_norm,
+        rotary,
+    )
     from kernels import paged_decode_attention as decode
 
     bf, ptrs = "*bf16", {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "qk_scale": "fp32"}
@@ -91,6 +99,10 @@ def compile_all() -> None:
     for split_k in sorted({cfg.split_k for cfg in fp8_gemm.CANDIDATES} - {1}):
         cx = dict(HAS_BIAS=True, SPLIT_K=split_k, BLOCK=fp8_gemm.REDUCE_BLOCK)
         _compile(fp8_gemm._reduce_kernel, types, cx)
+    # --quantization fp8 at prefill sizes: the activations' per-row quantization
+    for x in (bf, "*fp32"):
+        types = dict(x_ptr=x, q_ptr=fp8, scale_ptr="*fp32", fp8_max="fp32", min_scale="fp32")
+        _compile(fp8_quant._kernel, types, dict(BLOCK=2048))
 
 
 def test_kernels_compile_for_sm90():
