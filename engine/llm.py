@@ -35,6 +35,9 @@ class LLM:
             else _config_eos(mc.generation_config, mc.hf_config)
         )
         self.engine = EngineCore(self.config)
+        # KV-cache events feed routers (a service's KVEventSource drains them); offline no one
+        # takes them, and they would pile up for as long as the LLM lives.
+        self.engine.kv.pool.enable_events = False
         self._counter = itertools.count()
 
     def get_default_sampling_params(self) -> SamplingParams:

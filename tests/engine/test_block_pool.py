@@ -133,3 +133,36 @@ def test_disabled_caching_never_hits():
     kv = KVCacheManager(num_blocks=10, block_size=BS, enable_caching=False)
     schedule(kv, make_request("a", list(range(9))))
     assert schedule(kv, make_request("b", list(range(9)))) == 0
+
+
+def test_events_in_order_across_kinds():
+    """Consecutive events of one kind come out as one event, kinds in the order they happened:
+    a's blocks stored, then evicted for b's, then b's stored; a reset after a store closes
+    the stored run first."""
+    pool = BlockPool(4)  # 3 usable blocks
+    blocks = pool.get_new_blocks(3)
+    hashes_a = hash_block_tokens(list(range(12)), BS)
+    for block, h in zip(blocks, hashes_a):
+        pool.cache_block(block, h)
+    pool.free_blocks(reversed(blocks))
+    blocks = pool.get_new_blocks(2)  # evicts two of a's (its tail first)
+    hashes_b = hash_block_tokens(list(range(100, 108)), BS)
+    for block, h in zip(blocks, hashes_b):
+        pool.cache_block(block, h)
+    events = pool.take_events()
+    assert [e.kind for e in events] == ["stored", "removed", "stored"]
+    assert list(events[0].block_hashes) == hashes_a
+    assert set(events[1].block_hashes) == set(hashes_a[1:])
+    assert list(events[2].block_hashes) == hashes_b
+    assert pool.take_events() == []
+
+
+def test_reset_after_a_store_keeps_their_order():
+    pool = BlockPool(4)
+    block = pool.get_new_blocks(1)[0]
+    h = hash_block_tokens([1, 2, 3, 4], BS)[0]
+    pool.cache_block(block, h)
+    pool.free_blocks([block])
+    assert pool.reset_prefix_cache()
+    events = pool.take_events()
+    assert [(e.kind, e.block_hashes) for e in events] == [("stored", (h,)), ("cleared", ())]

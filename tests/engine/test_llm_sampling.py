@@ -122,3 +122,14 @@ def test_generation_config_defaults(tiny_qwen3_path):
     q = plain.get_default_sampling_params()
     assert (q.temperature, q.top_p, q.top_k) == (1.0, 1.0, 0)
     assert math.isclose(SamplingParams().temperature, 1.0)
+
+
+def test_offline_keeps_no_kv_events(llm):
+    """Nothing drains KV-cache events offline: the LLM must not gather them (they grew for as
+    long as it lived), while its prefix cache still works."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = list(range(3, 3 + 40))
+    llm.generate({"prompt_token_ids": prompt}, params)
+    again = llm.generate({"prompt_token_ids": prompt}, params)[0]
+    assert again.num_cached_tokens > 0
+    assert llm.engine.kv.pool.take_events() == []
