@@ -427,16 +427,20 @@ def start_gateway(
     workdir: Path,
     tree: Path | None = None,
     hidden: Sequence[str] = (),
+    entry: Sequence[str] = ("-m", "gateway"),
+    extra_env: dict[str, str] | None = None,
 ) -> Gateway:
     """`tree`: run the gateway from that checkout (its `gateway`, `engine`, `protos` first on
     the path) instead of this one, with the modules `hidden` made unimportable (packages this
     environment has but the tree's own dependencies do not: uvicorn would pick httptools and a
-    gateway orjson just because they are installed)."""
+    gateway orjson just because they are installed). `entry`: what follows the interpreter in
+    place of `-m gateway` (it takes the gateway's flags); `extra_env`: set in the gateway only."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.update(extra_env or {})
     name = config if tree is None else f"baseline-{config}"
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(hide_modules(workdir, hidden)), str(tree)])
-    args = [sys.executable, "-m", "gateway", "--model", MODEL, "--served-model-name", SERVED]
+    args = [sys.executable, *entry, "--model", MODEL, "--served-model-name", SERVED]
     args += ["--decode", decode, "--port", "0"]
     if config == "edge":
         keys = workdir / "keys"
