@@ -16,7 +16,8 @@ alternating per round, so that the bias of coming first in a pair cancels out):
 Per window: the gateway's CPU per request from every thread's `schedstat` (ns, exact), split by
 thread kind (`main`, grpc's `poller` Python thread, grpc's `event_engine` threads, `other`),
 and each kind's voluntary and involuntary context switches per request (wake-ups, and
-preemptions by other processes on the machine).
+preemptions by other processes on the machine); and the fake decode's CPU and wake-ups per
+request in the same window (its side of the transport).
 
 Writes `bench/results/gateway_transport-<date>.json` (`--tag` adds a suffix to the name).
 Run from the repo root: `python -m bench.gateway_transport --variant grpc --variant raw`
@@ -315,7 +316,11 @@ def per_request(before: dict, after: dict, num: int) -> dict[str, Any]:
     }
 
 
-async def window(gw: overhead.Gateway, rate: float, duration_s: float, warmup_s: float):
+async def window(
+    gw: overhead.Gateway, fake_pid: int, rate: float, duration_s: float, warmup_s: float
+):
+    """One window; `fake_decode`: the fake decode's own CPU and wake-ups per request meanwhile
+    (it serves only this window's gateway, on this window's transport)."""
     pool, raw = overhead.HttpPool(gw.port), overhead.chat_request(gw.key)
 
     async def send() -> bool | int:
@@ -324,13 +329,17 @@ async def window(gw: overhead.Gateway, rate: float, duration_s: float, warmup_s:
 
     try:
         await overhead.open_loop(send, rate, warmup_s)
-        before, busy0, t0 = thread_counters(gw.proc.pid), overhead.machine_busy_s(), time.time()
+        before, fake0 = thread_counters(gw.proc.pid), thread_counters(fake_pid)
+        busy0, t0 = overhead.machine_busy_s(), time.time()
         result = await overhead.open_loop(send, rate, duration_s)
-        after, busy1, t1 = thread_counters(gw.proc.pid), overhead.machine_busy_s(), time.time()
+        after, fake1 = thread_counters(gw.proc.pid), thread_counters(fake_pid)
+        busy1, t1 = overhead.machine_busy_s(), time.time()
     finally:
         pool.close()
+    fake = per_request(fake0, fake1, result["num_ok"])
     return {
         **per_request(before, after, result["num_ok"]),
+        "fake_decode": {k: fake[k] for k in ("cpu_ms_per_request", "wakeups_per_request")},
         "num_ok": result["num_ok"],
         "num_errors": result["num_errors"],
         "p50_ms": result["p50_ms"],
@@ -370,10 +379,15 @@ def summarize(windows: list[dict[str, Any]]) -> dict[str, Any]:
         }
         for kind in kinds
     }
+    fake = {
+        k: round(statistics.mean(w["fake_decode"][k] for w in windows), 4)
+        for k in ("cpu_ms_per_request", "wakeups_per_request")
+    }
     return {
         "cpu_ms_per_request": mean("cpu_ms_per_request"),
         "wakeups_per_request": mean("wakeups_per_request"),
         "threads": threads,
+        "fake_decode": fake,
     }
 
 
@@ -428,7 +442,7 @@ def main() -> None:
             order = gateways if i % 2 == 0 else gateways[::-1]
             for k, gw in enumerate(order):
                 w = overhead.Bench(grpc_address, args).run(
-                    window(gw, args.rate, args.window_s, args.warmup_s)
+                    window(gw, fake.pid, args.rate, args.window_s, args.warmup_s)
                 )
                 w["position_in_round"] = k
                 windows[gw.name].append(w)
@@ -458,8 +472,11 @@ def main() -> None:
     name = "gateway_transport" + (f"_{args.tag}" if args.tag else "")
     path = write_result(name, config, results)
     for v in variants:
-        r = results[v]
-        print(f"{v}: {r['cpu_ms_per_request']} ms/req, {r['wakeups_per_request']} wake-ups/req")
+        r, f = results[v], results[v]["fake_decode"]
+        print(
+            f"{v}: {r['cpu_ms_per_request']} ms/req, {r['wakeups_per_request']} wake-ups/req; "
+            f"fake decode {f['cpu_ms_per_request']} ms/req, {f['wakeups_per_request']} wake-ups"
+        )
     for v, d in results["paired_vs_first_variant"].items():
         print(f"{v} - {base}: {d['mean_ms']:+.3f} +- {d['stderr_ms']:.3f} ms/req")
     print(f"wrote {path}")
