@@ -18,8 +18,10 @@ Per gateway configuration it reports:
     from the last probe that passed until one fails, or down until one passes. The gateways'
     windows alternate, so a burst of other load on the machine hits them alike;
   * `stages_ms_per_request`: where that CPU goes (py-spy samples sorted into stages by
-    bench/gateway_stages.py, times `cpu_ms_per_request`), taken in a separate window at
-    `--cpu-rate` (sampling perturbs the process, so it is not the CPU window).
+    bench/gateway_stages.py, each thread's samples weighed to its CPU time, times
+    `cpu_ms_per_request`), taken in a separate window at `--cpu-rate` (sampling perturbs the
+    process, so it is not the CPU window); that window's CPU per thread is in
+    `profile_window.thread_cpu_ms_per_request`.
 With `--baseline-tree PATH` (a checkout of an older commit: `git worktree add /tmp/base REV`)
 every configuration also runs from that tree (`baseline-edge`, ...), in the same run on the same
 machine, and `ratios` gives current / baseline. CPU windows of all gateways are interleaved.
@@ -266,14 +268,18 @@ async def measure_gateway(
 
     try:
         await open_loop(send, rate, warmup_s)
-        profiler = None
+        profiler, threads0 = None, {}
         if profile_s:
             profiler = gateway_stages.start_profile(gw.proc.pid, profile_s, PROFILE_HZ)
             own_pids = [*own_pids, profiler.pid]
+            threads0 = gateway_stages.thread_cpu_s(gw.proc.pid)
         cpu0, client0 = process_cpu_s(gw.proc.pid), time.process_time()
         busy0, own0, t0 = machine_busy_s(), own_cpu_s(own_pids), time.perf_counter()
         result = await open_loop(send, rate, profile_s or duration_s)
         cpu_s, client_s = process_cpu_s(gw.proc.pid) - cpu0, time.process_time() - client0
+        if profiler is not None:
+            threads = gateway_stages.thread_cpu_s(gw.proc.pid)
+            thread_cpu = gateway_stages.thread_cpu_between(threads0, threads)
         foreign_s = machine_busy_s() - busy0 - (own_cpu_s(own_pids) - own0)
         result["foreign_cores"] = round(foreign_s / (time.perf_counter() - t0), 3)
     finally:
@@ -282,7 +288,13 @@ async def measure_gateway(
     result["cpu_ms_per_request"] = round(1000 * cpu_s / num_ok, 3)
     result["client_cpu_ms_per_request"] = round(1000 * client_s / num_ok, 3)
     if profiler is not None:
-        stage_shares, num_samples = await asyncio.to_thread(gateway_stages.finish, profiler)
+        stage_shares, num_samples = await asyncio.to_thread(
+            gateway_stages.finish, profiler, thread_cpu
+        )
+        result["thread_cpu_ms_per_request"] = {
+            f"{name} ({tid})": round(1000 * cpu / num_ok, 3)
+            for tid, (name, cpu) in sorted(thread_cpu.items(), key=lambda t: -t[1][1])
+        }
         result["profile_samples"] = num_samples
         # Samples of running threads per sampling tick: the cores py-spy saw busy (vs the
         # measured CPU: how much of it the samples cover).
@@ -427,16 +439,20 @@ def start_gateway(
     workdir: Path,
     tree: Path | None = None,
     hidden: Sequence[str] = (),
+    entry: Sequence[str] = ("-m", "gateway"),
+    extra_env: dict[str, str] | None = None,
 ) -> Gateway:
     """`tree`: run the gateway from that checkout (its `gateway`, `engine`, `protos` first on
     the path) instead of this one, with the modules `hidden` made unimportable (packages this
     environment has but the tree's own dependencies do not: uvicorn would pick httptools and a
-    gateway orjson just because they are installed)."""
+    gateway orjson just because they are installed). `entry`: what follows the interpreter in
+    place of `-m gateway` (it takes the gateway's flags); `extra_env`: set in the gateway only."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.update(extra_env or {})
     name = config if tree is None else f"baseline-{config}"
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(hide_modules(workdir, hidden)), str(tree)])
-    args = [sys.executable, "-m", "gateway", "--model", MODEL, "--served-model-name", SERVED]
+    args = [sys.executable, *entry, "--model", MODEL, "--served-model-name", SERVED]
     args += ["--decode", decode, "--port", "0"]
     if config == "edge":
         keys = workdir / "keys"

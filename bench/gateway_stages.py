@@ -15,10 +15,21 @@ A sample belongs to the stage of its innermost frame that names one (`STAGES`, f
 the leaf up), so a Redis reply parsed inside the quota call counts as `edge_quota_redis`, and
 `json.dumps` inside the response as `response`. Frames that only say "event loop" (asyncio,
 selectors) count only when nothing more specific is on the stack.
+
+py-spy counts a thread as running when the OS says it is runnable, which includes waiting for
+a core: just woken (gRPC's poller thread, the loop returning from epoll) or preempted inside a
+write that woke its peer on this 2-core machine. Such stages read high: on 2026-12-03 the
+poller thread drew 3-7x the samples its CPU time (schedstat) accounts for. With `thread_cpu`
+(each thread's CPU over the profile window, `thread_cpu_s` before and after) `shares` weighs
+every thread's samples to that thread's CPU, and gives the CPU of threads py-spy does not see
+(grpc's C threads: event_engine, timers) to `grpc` or `other_threads`. Within one thread the
+bias stays (the main thread's samples at wake-ups and writes still read high).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -88,13 +99,56 @@ def samples(raw: str) -> Iterator[tuple[list[str], int]]:
             yield stack.split(";"), int(count)
 
 
-def shares(raw: str) -> tuple[dict[str, float], int]:
-    """py-spy's raw (collapsed) output → ({stage: share of the samples}, number of samples)."""
-    counts: Counter[str] = Counter()
+_THREAD = re.compile(r"thread \((\d+)\)")  # py-spy --threads: "thread (TID): NAME", TID the OS's
+GRPC_THREADS = ("event_engine", "grpc_global_tim", "lifeguard", "default-executo", "resolver")
+
+
+def shares(
+    raw: str, thread_cpu: dict[str, tuple[str, float]] | None = None
+) -> tuple[dict[str, float], int]:
+    """py-spy's raw (collapsed) output → ({stage: share}, number of samples). The share is of
+    the samples, or with `thread_cpu` ({tid: (thread name, CPU s)}) of the CPU: a thread's
+    samples are weighed to its CPU, and threads without samples count under their own stage."""
+    counts: dict[str, Counter[str]] = {}
     for stack, count in samples(raw):
-        counts[stage_of(stack)] += count
-    total = sum(counts.values())
-    return {s: n / total for s, n in counts.most_common()}, total
+        match = _THREAD.match(stack[0]) if stack else None
+        tid = match.group(1) if match else ""
+        counts.setdefault(tid, Counter())[stage_of(stack)] += count
+    num_samples = sum(sum(c.values()) for c in counts.values())
+    weighted: Counter[str] = Counter()
+    for tid, stages in counts.items():
+        weight = 1.0
+        if thread_cpu is not None:
+            weight = thread_cpu.get(tid, ("", 0.0))[1] / sum(stages.values())
+        for stage, count in stages.items():
+            weighted[stage] += count * weight
+    for tid, (name, cpu_s) in (thread_cpu or {}).items():
+        if tid not in counts:
+            weighted["grpc" if name in GRPC_THREADS else "other_threads"] += cpu_s
+    total = sum(weighted.values())
+    return {s: n / total for s, n in weighted.most_common()}, num_samples
+
+
+def thread_cpu_s(pid: int) -> dict[str, tuple[str, float]]:
+    """{tid: (name, CPU s so far)} of every thread of `pid` (schedstat: ns, not clock ticks)."""
+    threads = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            cpu_ns = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            continue
+        threads[tid] = (name, cpu_ns / 1e9)
+    return threads
+
+
+def thread_cpu_between(
+    before: dict[str, tuple[str, float]], after: dict[str, tuple[str, float]]
+) -> dict[str, tuple[str, float]]:
+    """Each thread's CPU between two `thread_cpu_s` (a thread new since `before` from 0)."""
+    return {
+        tid: (name, cpu_s - before.get(tid, (name, 0.0))[1]) for tid, (name, cpu_s) in after.items()
+    }
 
 
 def py_spy() -> str | None:
@@ -117,12 +171,15 @@ def start_profile(pid: int, duration_s: float, rate_hz: int = 200) -> subprocess
     return proc
 
 
-def finish(proc: subprocess.Popen) -> tuple[dict[str, float], int]:
+def finish(
+    proc: subprocess.Popen, thread_cpu: dict[str, tuple[str, float]] | None = None
+) -> tuple[dict[str, float], int]:
+    """Wait for py-spy; the stage shares (of the CPU with `thread_cpu`: see `shares`)."""
     _, err = proc.communicate(timeout=120)
     out: Path = proc.output_path  # type: ignore[attr-defined]
     if proc.returncode != 0:
         raise RuntimeError(f"py-spy failed: {err.decode()[-500:]}")
     try:
-        return shares(out.read_text())
+        return shares(out.read_text(), thread_cpu)
     finally:
         shutil.rmtree(out.parent, ignore_errors=True)
