@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import AsyncEngine, EngineDeadError, OutputStream
 from engine.engine_core import EngineCoreOutput, EngineStats
 from engine.metrics import EngineCollector
 
@@ -283,3 +283,27 @@ def test_a_steps_outputs_reach_every_stream_in_one_hand_off_to_the_event_loop():
         assert hand_offs == [1, 1, 1]
     finally:
         engine.shutdown()
+
+
+def test_output_stream_keeps_order_wakes_its_reader_and_survives_a_cancelled_get():
+    async def run() -> None:
+        q = OutputStream(asyncio.get_running_loop())
+        assert q.empty()
+        waiting = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0)  # the reader now waits
+        assert not waiting.done()
+        q.put_nowait("a")
+        q.put_nowait("b")
+        assert await asyncio.wait_for(waiting, DEADLINE_S) == "a"
+        assert not q.empty() and q.get_nowait() == "b"
+        with pytest.raises(IndexError):
+            q.get_nowait()
+        cancelled = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        q.put_nowait("c")  # put after a reader went away: kept for the next one
+        assert await asyncio.wait_for(q.get(), DEADLINE_S) == "c"
+
+    asyncio.run(run())
