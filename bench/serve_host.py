@@ -210,6 +210,10 @@ def child_main(argv: list[str]) -> None:
     install_timers()
     torch_threads()
     out = os.environ["SERVE_HOST_STATS"]
+    interval = os.environ.get("SERVE_HOST_SWITCH_INTERVAL")
+    if interval:  # an experiment: this interval in place of the service's own
+        sys.setswitchinterval(float(interval))
+        sys.setswitchinterval = lambda _: None
 
     def start(*_):
         TIMERS.reset()
@@ -317,6 +321,8 @@ def run_service(path: Path, args, tmp: Path, code: str | None = None) -> dict:
     stats_path = tmp / "stats.json"
     stats_path.unlink(missing_ok=True)
     env = dict(os.environ, SERVE_HOST_STATS=str(stats_path))
+    if args.switch_interval:
+        env["SERVE_HOST_SWITCH_INTERVAL"] = str(args.switch_interval)
     if code is not None:
         env["PYTHONPATH"] = code
     cmd = [sys.executable, "-m", "bench.serve_host", "--child", *service_argv(path, args)]
@@ -366,6 +372,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="a checkout (e.g. `git archive` of the base commit) whose service runs too, "
         "alternating with this one's: the before of a before/after",
+    )
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="the service's sys.setswitchinterval, in place of its own (an experiment)",
     )
     p.add_argument("--out-dir", default=None, help="write the JSON here (default: print only)")
     p.add_argument("--tag", default="serve_host_cpu")
