@@ -123,16 +123,19 @@ class DecodeServicer(decode_mux.DecodeServicer, Draining):
                         INTER_TOKEN_LATENCY.observe(now - last)
                     last = now
                     num_out += len(out.new_token_ids)
-                    chunk = decode_pb2.TokenChunk(
-                        token_ids=out.new_token_ids,
-                        logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs],
-                    )
+                    # Filled in place: a TokenChunk passed to GenerateResponse() is copied.
+                    response = decode_pb2.GenerateResponse()
+                    chunk = response.tokens
+                    chunk.SetInParent()  # a chunk without tokens (a bare finish) is still one
+                    chunk.token_ids.extend(out.new_token_ids)
+                    if out.new_logprobs:
+                        chunk.logprobs.extend(map(logprobs_to_proto, out.new_logprobs))
                     if out.prompt_logprobs is not None:  # the first output, when requested
                         assert out.prompt_logprobs[0] is None, "nothing predicts prompt token 0"
                         chunk.prompt_logprobs.extend(
                             map(logprobs_to_proto, out.prompt_logprobs[1:])
                         )
-                    yield decode_pb2.GenerateResponse(tokens=chunk)
+                    yield response
                     if out.finish_reason is not None:
                         yield self._final(req, out, num_out, timings)
                         return

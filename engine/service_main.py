@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import ipaddress
 import logging
 import os
@@ -184,6 +185,11 @@ async def run_service(
         port,
         args.kv_backend,
     )
+    # Everything made so far (the model, torch, grpc, protobuf) lives as long as the process:
+    # out of the cyclic GC's reach, so that the collections the streams' garbage triggers stop
+    # scanning it (a fifth of the engine thread's GIL time under 256 streams on CPU).
+    gc.collect()
+    gc.freeze()
     print(f"READY {role} {args.host}:{port}", flush=True)
     try:
         outcome = await _serve_until(server, engine, drain)

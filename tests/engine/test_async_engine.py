@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import AsyncEngine, EngineDeadError, OutputStream
 from engine.engine_core import EngineCoreOutput, EngineStats
 from engine.metrics import EngineCollector
 
@@ -215,3 +215,95 @@ def test_an_error_queued_behind_tokens_is_raised_after_them():
         assert [o.new_token_ids for o in outs] == [[1], [2, 3]]
     finally:
         engine.shutdown()
+
+
+class ManyStreamsCore(FakeCore):
+    """Steps only once `num` requests are in; each step gives every request one token, the third
+    finishes them all."""
+
+    def __init__(self, num: int):
+        super().__init__()
+        self.num, self.ids = num, []
+
+    def has_unfinished_requests(self) -> bool:
+        return len(self.ids) == self.num
+
+    def add_request(self, request) -> None:
+        self.ids.append(request.request_id)
+
+    def step(self) -> list[EngineCoreOutput]:
+        self.num_steps += 1
+        outs = [EngineCoreOutput(rid, new_token_ids=[100 * k + self.num_steps])
+                for k, rid in enumerate(self.ids)]  # fmt: skip
+        if self.num_steps == 3:
+            for out in outs:
+                out.finish_reason = "length"
+            self.ids = []
+        return outs
+
+
+def test_a_steps_outputs_reach_every_stream_in_one_hand_off_to_the_event_loop():
+    num = 5
+    core = ManyStreamsCore(num)
+    engine = AsyncEngine(core, idle_wait_s=0.001)
+    hand_offs: list[int] = []  # call_soon_threadsafe calls per dispatched step
+    dispatch = engine._dispatch
+
+    def counting_dispatch(outputs):
+        hand_offs.append(0)
+        dispatch(outputs)
+
+    engine._dispatch = counting_dispatch
+
+    async def run() -> list[list[list[int]]]:
+        loop = asyncio.get_running_loop()
+        threadsafe = loop.call_soon_threadsafe
+
+        def counting(*args):
+            if threading.current_thread() is engine._thread and hand_offs:
+                hand_offs[-1] += 1
+            return threadsafe(*args)
+
+        loop.call_soon_threadsafe = counting
+
+        async def one(rid: str) -> list[list[int]]:
+            request = SimpleNamespace(request_id=rid)
+            got = []
+            async for out in engine.generate(request):
+                got.extend([t] for t in out.new_token_ids)  # coalesced or not: token by token
+                if out.finish_reason is not None:
+                    assert out.finish_reason == "length"
+            return got
+
+        return await asyncio.gather(*(one(f"r{k}") for k in range(num)))
+
+    try:
+        streams = asyncio.run(asyncio.wait_for(run(), DEADLINE_S))
+        assert streams == [[[100 * k + s] for s in (1, 2, 3)] for k in range(num)]
+        assert hand_offs == [1, 1, 1]
+    finally:
+        engine.shutdown()
+
+
+def test_output_stream_keeps_order_wakes_its_reader_and_survives_a_cancelled_get():
+    async def run() -> None:
+        q = OutputStream(asyncio.get_running_loop())
+        assert q.empty()
+        waiting = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0)  # the reader now waits
+        assert not waiting.done()
+        q.put_nowait("a")
+        q.put_nowait("b")
+        assert await asyncio.wait_for(waiting, DEADLINE_S) == "a"
+        assert not q.empty() and q.get_nowait() == "b"
+        with pytest.raises(IndexError):
+            q.get_nowait()
+        cancelled = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        q.put_nowait("c")  # put after a reader went away: kept for the next one
+        assert await asyncio.wait_for(q.get(), DEADLINE_S) == "c"
+
+    asyncio.run(run())
