@@ -29,6 +29,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
+# Types `_to_dicts` and `_plain` return as they are (exact types: subclasses take the long way).
+_SCALARS = frozenset((str, int, float, bool, type(None)))
+
 _NOT_A_MESSAGE = "Chat messages should be dicts, dataclasses or pydantic models, but got {!r}."
 
 ChatTemplate = str | dict[str, str]
@@ -109,7 +112,12 @@ def compile_template(source: str) -> jinja2.Template:
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
-    return env.from_string(source)
+    template = env.from_string(source)
+    # Jinja keeps a template's globals as a ChainMap over the environment's, copied into a dict
+    # key by key (in Python) at every render; this environment is never changed again, so one
+    # plain dict of the same names is the same lookup, ~3 us cheaper per render.
+    template.globals = dict(template.globals)
+    return template
 
 
 def select_template(own: ChatTemplate | None, chat_template: str | None, tools: list | None) -> str:
@@ -141,6 +149,12 @@ def select_template(own: ChatTemplate | None, chat_template: str | None, tools: 
 
 def _to_dicts(value: Any) -> Any:
     """Message objects (pydantic models, dataclasses) as dicts, media left as is."""
+    if type(value) in _SCALARS:
+        return value
+    if type(value) is dict:  # the usual cases first: no ABC check, no call for plain values
+        return {k: v if type(v) in _SCALARS else _to_dicts(v) for k, v in value.items()}
+    if type(value) is list:
+        return [v if type(v) in _SCALARS else _to_dicts(v) for v in value]
     if isinstance(value, Mapping):
         return {key: _to_dicts(item) for key, item in value.items()}
     if isinstance(value, list):
@@ -167,8 +181,17 @@ def normalize_messages(conversation: Any) -> list[dict]:
 
 def _plain(value: Any) -> Any:
     """Only plain JSON types reach the sandbox; anything else becomes "<TypeName>"."""
-    if value is None or type(value) in (str, int, float, bool):
+    if type(value) in _SCALARS:
         return value
+    if type(value) is dict:  # the usual case: no ABC check, no call for string keys and values
+        return {
+            key if type(key) is str else _plain(key): item
+            if type(item) in _SCALARS
+            else _plain(item)
+            for key, item in value.items()
+        }
+    if type(value) is list:
+        return [item if type(item) in _SCALARS else _plain(item) for item in value]
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, int):

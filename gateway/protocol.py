@@ -24,9 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 logger = logging.getLogger(__name__)
+
+# A validation context key: True when the body's strings are known to be valid UTF-8 (parsed by
+# jiter, which refuses lone surrogates), so `_find_lone_surrogate`'s walk is skipped.
+UTF8_CHECKED = "utf8_checked"
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -219,11 +223,13 @@ class SamplingFields(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _check_raw_body(cls, data: Any) -> Any:
+    def _check_raw_body(cls, data: Any, info: ValidationInfo) -> Any:
         if isinstance(data, dict):
-            problem = _find_lone_surrogate(data)
-            if problem is not None:
-                raise ValueError(problem)
+            # UTF8_CHECKED: the caller parsed the body with jiter, which refuses lone surrogates.
+            if not (info.context and info.context.get(UTF8_CHECKED)):
+                problem = _find_lone_surrogate(data)
+                if problem is not None:
+                    raise ValueError(problem)
             ignored = [k for k in data if k not in cls.model_fields]
             if ignored:
                 names = ", ".join(repr(k[:64]) for k in sorted(ignored)[:20])

@@ -8,10 +8,13 @@ SmolLM2's template and Qwen3's real template with tools, tool calls and reasonin
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 import shutil
 
 import jinja2
+import pydantic
 import pytest
 from transformers import AutoTokenizer
 
@@ -322,3 +325,36 @@ def test_read_hf_config_matches_autoconfig(tiny_model_path, tmp_path, drop):
     light, ref = read_hf_config(tmp_path), load_hf_config(tmp_path)
     for name in ("max_position_embeddings", "vocab_size", "hidden_size", "num_hidden_layers"):
         assert getattr(light, name) == getattr(ref, name), name
+
+
+class _Role(enum.StrEnum):
+    USER = "user"
+
+
+@dataclasses.dataclass
+class _Message:
+    role: str
+    content: str
+    name: str | None = None
+
+
+class _Part(pydantic.BaseModel):
+    type: str
+    text: str
+
+
+def test_message_shapes_match(pair):
+    """Values that are not plain dicts, lists and strings (what `_to_dicts` and `_plain` convert
+    by their slow paths) render as transformers renders them."""
+    ref, light = pair
+    messages = [
+        _Message("system", "Be brief."),
+        {"role": _Role.USER, "content": "Hi", "meta": {1: None, "k": (1, 2.5, True)}},
+        {"role": "assistant", "content": [_Part(type="text", text="A"), {"type": "text"}]},
+        {"role": "user", "content": "plain", "extra": [None, {"x": [1, {"y": None}]}], "s": {2}},
+    ]
+    template = "{% for m in messages %}{{ m | tojson }}|{{ m.role }}:{{ m.content }}\n{% endfor %}"
+    options = dict(chat_template=template, tokenize=False, custom={"a": (1, None)})
+    assert light.apply_chat_template(messages, **options) == ref.apply_chat_template(
+        messages, **options
+    )

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from fastapi.exceptions import RequestValidationError
 
 from gateway.errors import APIError
 from gateway.json_scan import TooManyMessages, loads_large
 from gateway.offload import SCAN_MIN_BYTES, SCAN_MIN_COMMAS, parse_body
-from gateway.protocol import ChatCompletionRequest
+from gateway.protocol import UTF8_CHECKED, ChatCompletionRequest
 
 DOCUMENTS = [
     {},
@@ -70,3 +71,36 @@ def test_parse_body_refuses_a_huge_chat_early():
     # Refused from the scanner's path (it yields the GIL between values); how long the event
     # loop then waits is a speed figure, measured by bench/event_loop.py, not asserted here.
     refused()
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_lone_surrogates_are_refused_by_every_parser(large):
+    """jiter refuses them itself (its bodies skip the surrogate walk); json.loads and json_scan
+    read them, and validation refuses them."""
+    messages = [{"role": "user", "content": "a"}] * (SCAN_MIN_COMMAS if large else 1)
+    body = {"model": "m", "messages": messages, "user": "\ud800"}
+    raw = json.dumps(body).encode()
+    assert (len(raw) > SCAN_MIN_BYTES) == large
+    with pytest.raises(RequestValidationError) as info:
+        parse_body(ChatCompletionRequest, raw, len(messages))
+    assert "surrogate" in str(info.value.errors())
+    # A caller that says the strings are valid UTF-8 when they are not: no walk, so no refusal.
+    del body["messages"][1:]
+    assert ChatCompletionRequest.model_validate(body, context={UTF8_CHECKED: True}).user
+
+
+def test_jiter_parsed_bodies_are_marked_utf8_checked(monkeypatch):
+    seen = []
+    validate = ChatCompletionRequest.model_validate.__func__
+
+    def spy(cls, data, **kwargs):
+        seen.append(kwargs.get("context"))
+        return validate(cls, data, **kwargs)
+
+    monkeypatch.setattr(ChatCompletionRequest, "model_validate", classmethod(spy))
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "😀"}]}).encode()
+    assert parse_body(ChatCompletionRequest, raw, 10).messages[0].content == "😀"
+    raw = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "user": "\\udc00"}'
+    with pytest.raises(RequestValidationError):
+        parse_body(ChatCompletionRequest, raw, 10)
+    assert seen == [{UTF8_CHECKED: True}, {UTF8_CHECKED: False}]
