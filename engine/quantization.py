@@ -28,11 +28,8 @@ from torch import nn
 
 from kernels.fp8_gemm import MAX_M as WEIGHT_ONLY_MAX_M
 from kernels.fp8_gemm import Fp8GemmConfig, choose_tiles, fp8_weight_gemm
-from kernels.fp8_quant import quantize_rows_fp8
+from kernels.fp8_quant import FP8, FP8_MAX, MIN_SCALE, quantize_rows_fp8
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
-MIN_SCALE = 1e-12  # an all-zero row or channel: any scale reproduces it
 QUANTIZATION_METHODS = ("fp8",)
 
 
