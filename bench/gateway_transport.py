@@ -178,23 +178,10 @@ class RawMuxStream(asyncio.Protocol):
         self.unsent.clear()
 
     def data_received(self, data: bytes) -> None:
-        from gateway.mux import _STATUS, _error
+        from gateway.mux import deliver
 
-        calls = self.calls
         for batch in self.frames.feed(data):
-            for item in batch.items:
-                call = calls.get(item.id)
-                if call is None:
-                    continue
-                if item.HasField("response"):
-                    call._inbox.put(item.response)
-                    continue
-                del calls[item.id]
-                code = _STATUS.get(item.end.code, grpc.StatusCode.UNKNOWN)
-                if code == grpc.StatusCode.OK:
-                    call._inbox.put(grpc.aio.EOF)
-                else:
-                    call._inbox.put(_error(code, item.end.details, item.id))
+            deliver(self.calls, batch)
 
     def connection_lost(self, exc: Exception | None) -> None:
         from gateway.mux import _error

@@ -183,19 +183,7 @@ class MuxStream:
                 if batch is grpc.aio.EOF:  # the decode ended it (drained) without an error
                     error = _error(grpc.StatusCode.UNAVAILABLE, "the GenerateMux stream ended")
                     break
-                for item in batch.items:
-                    call = calls.get(item.id)
-                    if call is None:  # cancelled, or an id this stream never sent
-                        continue
-                    if item.HasField("response"):
-                        call._inbox.put(item.response)
-                        continue
-                    del calls[item.id]
-                    code = _STATUS.get(item.end.code, grpc.StatusCode.UNKNOWN)
-                    if code == grpc.StatusCode.OK:
-                        call._inbox.put(grpc.aio.EOF)
-                    else:
-                        call._inbox.put(_error(code, item.end.details, item.id))
+                deliver(calls, batch)
         except grpc.aio.AioRpcError as e:
             error = e
             if e.code() == grpc.StatusCode.INTERNAL and e.details() == _WRITE_FAILED:
@@ -218,6 +206,25 @@ class MuxStream:
         for call in calls.values():
             call._inbox.put(error)
         calls.clear()
+
+
+def deliver(calls: dict[int, MuxCall], batch) -> None:
+    """One MuxResponse's items into their calls' inboxes: a response, or the end of a call (EOF
+    when OK, else its error), which also forgets the call. Ids not in `calls` (cancelled, or
+    never sent on this stream) are dropped."""
+    for item in batch.items:
+        call = calls.get(item.id)
+        if call is None:
+            continue
+        if item.HasField("response"):
+            call._inbox.put(item.response)
+            continue
+        del calls[item.id]
+        code = _STATUS.get(item.end.code, grpc.StatusCode.UNKNOWN)
+        if code == grpc.StatusCode.OK:
+            call._inbox.put(grpc.aio.EOF)
+        else:
+            call._inbox.put(_error(code, item.end.details, item.id))
 
 
 def _error(code: grpc.StatusCode, details: str, rid: int | None = None) -> grpc.aio.AioRpcError:
