@@ -247,6 +247,23 @@ def bench_model(name: str, path: Path, ceil: dict, args, **llm_kwargs) -> dict:
     return res
 
 
+# The offline job: N prompts of 512 random tokens, 128 out each (EOS ignored).
+OFFLINE_PARAMS = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+
+
+def offline_llm(path: Path, max_num_seqs: int, max_batched: int, **llm_kwargs) -> LLM:
+    """The offline job's engine: dummy weights, bf16 unless `llm_kwargs` says otherwise."""
+    kwargs = dict(load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True)
+    return LLM(
+        str(path),
+        **{**kwargs, **llm_kwargs},
+        max_model_len=1024,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_batched,
+        gpu_memory_utilization=0.9,
+    )
+
+
 def offline(
     path: Path,
     n: int,
@@ -261,23 +278,14 @@ def offline(
     is recorded by kind (decode-only batches take the CUDA graphs, mixed ones run eager).
     `gc_freeze`: freeze the GC's heap after start-up; `llm_kwargs`: more engine arguments (e.g.
     quantization="fp8")."""
-    llm = LLM(
-        str(path),
-        **llm_kwargs,
-        load_format="dummy",
-        dtype="bfloat16",
-        skip_tokenizer_init=True,
-        max_model_len=1024,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_batched,
-        gpu_memory_utilization=0.9,
-    )
+    llm = offline_llm(path, max_num_seqs, max_batched, **llm_kwargs)
     if gc_freeze:  # as vLLM does after start-up: the engine's objects out of the GC's way
         gc.collect()
         gc.freeze()
     runner, sched_ = llm.engine.runner, llm.engine.scheduler
-    execute, launch, schedule, trace = runner.execute, runner.launch_decode, sched_.schedule, []
-    spans: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+    execute, launch, schedule = runner.execute, runner.launch_decode, sched_.schedule
+    # One row per engine step: (kind, sequences, tokens, host s of its call, GPU start/end).
+    steps: list[tuple[str, int, int, float, torch.cuda.Event, torch.cuda.Event]] = []
     core_step = llm.engine.step
     host = {
         "step_s": 0.0,
@@ -294,29 +302,25 @@ def offline(
             host["gc_s"] += time.perf_counter() - host["gc_t0"]
             host["gc_collections"][info["generation"]] += 1
 
-    def span(kind: str, fn, *a):
+    def recorded(kind: str, sched, fn, *a):
         """Run fn, and bracket the GPU work it enqueues with two events: the stream's idle
         time between consecutive steps is the gap between one step's end event and the
         next one's start event (zero while the GPU still runs the step before)."""
+        new = [s.num_new_tokens for s in sched.scheduled]
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t = time.perf_counter()
         e0.record()
         out = fn(*a)
         e1.record()
-        spans.append((kind, e0, e1))
+        steps.append((kind, len(new), sum(new), time.perf_counter() - t, e0, e1))
         return out
 
     def timed(sched, kv):
-        t = time.perf_counter()
-        new = [s.num_new_tokens for s in sched.scheduled]
-        out = span("decode_only" if max(new) == 1 else "mixed", execute, sched, kv)
-        trace.append((max(new) == 1, len(new), sum(new), time.perf_counter() - t))
-        return out
+        is_decode = max(s.num_new_tokens for s in sched.scheduled) == 1
+        return recorded("decode_only" if is_decode else "mixed", sched, execute, sched, kv)
 
     def launched(sched, kv, prev):  # host time only: the GPU runs on
-        t = time.perf_counter()
-        out = span("async_decode", launch, sched, kv, prev)
-        trace.append(("async", len(sched.scheduled), len(sched.scheduled), time.perf_counter() - t))
-        return out
+        return recorded("async_decode", sched, launch, sched, kv, prev)
 
     def stepped():
         t = time.perf_counter()
@@ -333,15 +337,13 @@ def offline(
     runner.execute, runner.launch_decode, sched_.schedule = timed, launched, scheduled
     llm.engine.step = stepped
     llm.generate(random_prompts(64, 512, 4), SamplingParams(temperature=0, max_tokens=8))
-    trace.clear()
-    spans.clear()
+    steps.clear()
     host["schedule_s"] = host["step_s"] = 0.0
-    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     torch.cuda.synchronize()
     gc.callbacks.append(gc_timer)
     t = time.perf_counter()
     try:
-        outs = llm.generate(random_prompts(n, 512, 3), params)
+        outs = llm.generate(random_prompts(n, 512, 3), OFFLINE_PARAMS)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
     finally:
@@ -349,19 +351,19 @@ def offline(
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     floor_s = 2 * n_params * n * (512 + 128) / (ceil["matmul_bf16_TFLOPs"] * 1e12)
     kinds = {}
-    for kind, is_decode in (("decode_only", True), ("mixed", False), ("async_decode", "async")):
-        rows = [r for r in trace if r[0] == is_decode]
+    for kind in ("decode_only", "mixed", "async_decode"):
+        rows = [r for r in steps if r[0] == kind]
         kinds[kind] = {
             "steps": len(rows),
             "execute_s": sum(r[3] for r in rows),
             "mean_seqs": statistics.mean(r[1] for r in rows) if rows else 0,
             "mean_tokens": statistics.mean(r[2] for r in rows) if rows else 0,
-            "gpu_span_s": sum(e0.elapsed_time(e1) for k, e0, e1 in spans if k == kind) / 1e3,
+            "gpu_span_s": sum(r[4].elapsed_time(r[5]) for r in rows) / 1e3,
         }
     idle: dict[str, float] = {}  # the GPU's idle time before a step, by (previous, this) kind
-    for (k0, _, end), (k1, start, _) in zip(spans, spans[1:]):
-        key = f"{k0}->{k1}"
-        idle[key] = idle.get(key, 0.0) + max(0.0, end.elapsed_time(start)) / 1e3
+    for before, after in zip(steps, steps[1:]):
+        key = f"{before[0]}->{after[0]}"
+        idle[key] = idle.get(key, 0.0) + max(0.0, before[5].elapsed_time(after[4])) / 1e3
     res = {
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_batched,
@@ -371,7 +373,7 @@ def offline(
         "compute_floor_s": floor_s,
         "wall_over_floor": wall / floor_s,
         "preemptions": llm.engine.scheduler.num_preemptions,
-        "outside_execute_s": wall - sum(r[3] for r in trace),
+        "outside_execute_s": wall - sum(r[3] for r in steps),
         "gpu_idle_between_steps_s": sum(idle.values()),
         "gpu_idle_between_steps_by_kind_s": idle,
         "schedule_s": host["schedule_s"],

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from bench.common import write_result
-from bench.gpu_engine import SHAPES, make_config_dir, random_prompts
-from engine import LLM, SamplingParams
+from bench.gpu_engine import OFFLINE_PARAMS, SHAPES, make_config_dir, offline_llm, random_prompts
+from engine import SamplingParams
 
 TINY = dict(
     hidden_size=64,
@@ -46,17 +46,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         name = "qwen3-8b" if cuda else "tiny"
         path = make_config_dir(name, Path(tmp), SHAPES["qwen3-8b"] if cuda else TINY)
-        llm = LLM(
-            str(path),
-            load_format="dummy",
-            dtype="bfloat16" if cuda else "float32",
-            device="cuda" if cuda else "cpu",
-            skip_tokenizer_init=True,
-            max_model_len=1024,
-            max_num_seqs=256,
-            max_num_batched_tokens=8192,
-            gpu_memory_utilization=0.9,
-        )
+        on = {} if cuda else {"dtype": "float32", "device": "cpu"}
+        llm = offline_llm(path, max_num_seqs=256, max_batched=8192, **on)
     runner, prof = llm.engine.runner, cProfile.Profile()
     execute, marks, profiling = runner.execute, [], [False]
 
@@ -74,11 +65,10 @@ def main() -> None:
     runner.execute = unprofiled
     llm.generate(random_prompts(64, 512, 4), SamplingParams(temperature=0, max_tokens=8))
     marks.clear()
-    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     t = time.perf_counter()
     profiling[0] = True
     prof.enable()
-    llm.generate(random_prompts(args.num_prompts, 512, 3), params)
+    llm.generate(random_prompts(args.num_prompts, 512, 3), OFFLINE_PARAMS)
     prof.disable()
     profiling[0] = False
     wall = time.perf_counter() - t
