@@ -38,6 +38,7 @@ from transformers import Qwen3Config
 from bench.common import write_result
 from engine import LLM, SamplingParams
 from engine.request import Request
+from engine.step_trace import KINDS, StepTrace, summarize
 
 # The engine variants a run can measure: bf16 as the baseline, FP8 weights (`--quantization
 # fp8`) and the FP8 KV cache (`--kv-cache-dtype fp8`). bf16's figures sit at the top of a
@@ -282,18 +283,8 @@ def offline(
     if gc_freeze:  # as vLLM does after start-up: the engine's objects out of the GC's way
         gc.collect()
         gc.freeze()
-    runner, sched_ = llm.engine.runner, llm.engine.scheduler
-    execute, launch, schedule = runner.execute, runner.launch_decode, sched_.schedule
-    # One row per engine step: (kind, sequences, tokens, host s of its call, GPU start/end).
-    steps: list[tuple[str, int, int, float, torch.cuda.Event, torch.cuda.Event]] = []
-    core_step = llm.engine.step
-    host = {
-        "step_s": 0.0,
-        "schedule_s": 0.0,
-        "gc_s": 0.0,
-        "gc_collections": [0, 0, 0],
-        "gc_t0": 0.0,
-    }
+    trace = StepTrace(llm.engine).install()
+    host = {"gc_s": 0.0, "gc_collections": [0, 0, 0], "gc_t0": 0.0}
 
     def gc_timer(phase: str, info: dict) -> None:
         if phase == "start":
@@ -302,43 +293,8 @@ def offline(
             host["gc_s"] += time.perf_counter() - host["gc_t0"]
             host["gc_collections"][info["generation"]] += 1
 
-    def recorded(kind: str, sched, fn, *a):
-        """Run fn, and bracket the GPU work it enqueues with two events: the stream's idle
-        time between consecutive steps is the gap between one step's end event and the
-        next one's start event (zero while the GPU still runs the step before)."""
-        new = [s.num_new_tokens for s in sched.scheduled]
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t = time.perf_counter()
-        e0.record()
-        out = fn(*a)
-        e1.record()
-        steps.append((kind, len(new), sum(new), time.perf_counter() - t, e0, e1))
-        return out
-
-    def timed(sched, kv):
-        is_decode = max(s.num_new_tokens for s in sched.scheduled) == 1
-        return recorded("decode_only" if is_decode else "mixed", sched, execute, sched, kv)
-
-    def launched(sched, kv, prev):  # host time only: the GPU runs on
-        return recorded("async_decode", sched, launch, sched, kv, prev)
-
-    def stepped():
-        t = time.perf_counter()
-        out = core_step()
-        host["step_s"] += time.perf_counter() - t
-        return out
-
-    def scheduled():
-        t = time.perf_counter()
-        out = schedule()
-        host["schedule_s"] += time.perf_counter() - t
-        return out
-
-    runner.execute, runner.launch_decode, sched_.schedule = timed, launched, scheduled
-    llm.engine.step = stepped
     llm.generate(random_prompts(64, 512, 4), SamplingParams(temperature=0, max_tokens=8))
-    steps.clear()
-    host["schedule_s"] = host["step_s"] = 0.0
+    trace.clear()
     torch.cuda.synchronize()
     gc.callbacks.append(gc_timer)
     t = time.perf_counter()
@@ -350,20 +306,7 @@ def offline(
         gc.callbacks.remove(gc_timer)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     floor_s = 2 * n_params * n * (512 + 128) / (ceil["matmul_bf16_TFLOPs"] * 1e12)
-    kinds = {}
-    for kind in ("decode_only", "mixed", "async_decode"):
-        rows = [r for r in steps if r[0] == kind]
-        kinds[kind] = {
-            "steps": len(rows),
-            "execute_s": sum(r[3] for r in rows),
-            "mean_seqs": statistics.mean(r[1] for r in rows) if rows else 0,
-            "mean_tokens": statistics.mean(r[2] for r in rows) if rows else 0,
-            "gpu_span_s": sum(r[4].elapsed_time(r[5]) for r in rows) / 1e3,
-        }
-    idle: dict[str, float] = {}  # the GPU's idle time before a step, by (previous, this) kind
-    for before, after in zip(steps, steps[1:]):
-        key = f"{before[0]}->{after[0]}"
-        idle[key] = idle.get(key, 0.0) + max(0.0, before[5].elapsed_time(after[4])) / 1e3
+    steps = summarize(trace.rows())
     res = {
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_batched,
@@ -373,20 +316,19 @@ def offline(
         "compute_floor_s": floor_s,
         "wall_over_floor": wall / floor_s,
         "preemptions": llm.engine.scheduler.num_preemptions,
-        "outside_execute_s": wall - sum(r[3] for r in steps),
-        "gpu_idle_between_steps_s": sum(idle.values()),
-        "gpu_idle_between_steps_by_kind_s": idle,
-        "schedule_s": host["schedule_s"],
-        "outside_engine_step_s": wall - host["step_s"],  # LLM.generate's own work
+        "outside_execute_s": wall - steps["runner_host_s"],
+        "gpu_idle_between_steps_s": steps["gpu_idle_between_steps_s"],
+        "gpu_idle_between_steps_by_kind_s": steps["gpu_idle_between_steps_by_kind_s"],
+        "schedule_s": steps["schedule_s"],
+        "outside_engine_step_s": wall - steps["step_s"],  # LLM.generate's own work
         "gc_freeze": gc_freeze,
         "gc_s": host["gc_s"],  # the cyclic garbage collector's pauses, by generation below
         "gc_collections": host["gc_collections"],
-        **kinds,
+        **{kind: steps[kind] for kind in KINDS},
     }
     print("offline", json.dumps(res), flush=True)
-    del runner.execute, runner.launch_decode, sched_.schedule  # the classes' methods again
-    del llm.engine.step
-    del llm, runner, sched_
+    trace.remove()
+    del llm, trace
     gc.unfreeze()
     _free_gpu()
     return res

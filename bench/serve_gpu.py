@@ -29,6 +29,7 @@ from pathlib import Path
 
 from bench.common import print_table, process_cpu_s, write_result
 from bench.structured_output import QWEN3_8B, make_model_dir
+from engine.step_trace import KINDS, summarize
 
 POINT_TIMEOUT_S = 240
 ENGINE_FLAGS = [
@@ -37,10 +38,12 @@ ENGINE_FLAGS = [
 ]  # fmt: skip
 
 
-def offline_tok_s(path: Path, n: int) -> float:
+def offline_tok_s(path: Path, n: int) -> tuple[float, dict]:
+    """The offline engine's output tok/s on this workload, and its steps' `summarize`."""
     code = (
-        "import time, torch, random\n"
+        "import json, time, torch, random\n"
         "from engine import LLM, SamplingParams\n"
+        "from engine.step_trace import StepTrace, summarize\n"
         f"llm = LLM({str(path)!r}, load_format='dummy', dtype='bfloat16', max_model_len=1024,"
         " max_num_seqs=256, max_num_batched_tokens=8192, skip_tokenizer_init=True)\n"
         "rng = random.Random(3)\n"
@@ -51,24 +54,39 @@ def offline_tok_s(path: Path, n: int) -> float:
         " for _ in range(64)]\n"
         "llm.generate(warm, SamplingParams(temperature=0, max_tokens=8))\n"
         "p = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)\n"
+        "trace = StepTrace(llm.engine).install()\n"
         "torch.cuda.synchronize(); t = time.perf_counter()\n"
         "outs = llm.generate(prompts, p)\n"
         "torch.cuda.synchronize(); wall = time.perf_counter() - t\n"
         "print('OFFLINE', sum(len(o.outputs[0].token_ids) for o in outs) / wall)\n"
+        "print('STEPS', json.dumps(summarize(trace.rows())))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("OFFLINE"))
-    return float(line.split()[1])
+    lines = dict(ln.split(" ", 1) for ln in out.stdout.splitlines() if " " in ln)
+    return float(lines["OFFLINE"]), json.loads(lines["STEPS"])
 
 
 def start_serve(
-    path: Path, num_prefill: int, port: int, extra: list[str] | None = None
+    path: Path,
+    num_prefill: int,
+    port: int,
+    extra: list[str] | None = None,
+    trace_dir: Path | None = None,
 ) -> tuple[subprocess.Popen, list[str]]:
-    """`tandem serve` with this bench's flags and `num_prefill`, or with `extra` instead."""
+    """`tandem serve` with this bench's flags and `num_prefill`, or with `extra` instead;
+    `trace_dir`: its services write their step traces there when they stop."""
     flags = extra if extra is not None else [*ENGINE_FLAGS, "--num-prefill", str(num_prefill)]
     cmd = [sys.executable, "-m", "tandem.cli", "serve", str(path), *flags, "--port", str(port)]
+    env = dict(os.environ)
+    if trace_dir is not None:
+        env["TANDEM_STEP_TRACE_DIR"] = str(trace_dir)
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=env,
     )
     lines: list[str] = []
     deadline = time.monotonic() + 400
@@ -128,6 +146,17 @@ def point_figures(r: dict, offline: float) -> dict:
         "itl_p99_over_p50": r["p99_itl_ms"] / r["median_itl_ms"] if r["median_itl_ms"] else None,
         "tpot_p50_ms": r["median_tpot_ms"],
     }
+
+
+def steps_line(st: dict) -> str:
+    """One line of a `summarize`: steps, GPU idle between them, and each kind's shape."""
+    kinds = " ".join(
+        f"{k}={st[k]['steps']}x{st[k]['mean_seqs']:.0f}seq/{st[k]['mean_tokens']:.0f}tok"
+        f"/{st[k].get('gpu_span_s', 0):.1f}s"
+        for k in KINDS
+    )
+    idle = st.get("gpu_idle_between_steps_s", 0.0)
+    return f"steps {st['engine_steps']} step_s {st['step_s']:.1f} gpu_idle {idle:.2f}s {kinds}"
 
 
 def bench_point(
@@ -244,15 +273,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model_dir(Path(tmp), QWEN3_8B)
         t = time.monotonic()
-        offline = offline_tok_s(path, args.num_prompts) if args.offline else 0.0
+        offline, offline_steps = 0.0, {}
+        if args.offline:
+            offline, offline_steps = offline_tok_s(path, args.num_prompts)
         print(f"offline {offline:.0f} tok/s ({time.monotonic() - t:.0f} s)", flush=True)
+        if offline_steps:
+            print("offline", steps_line(offline_steps), flush=True)
         modes: dict[str, dict] = {}
         rows = []
         for mode, num_prefill, flags, concurrencies in runs:
             port = 8100 + len(modes)
             t = time.monotonic()
+            trace_dir = Path(tmp) / f"trace-{mode}"
+            windows: dict[str, tuple[float, float]] = {}  # each point's span, for its steps
             proc, log = start_serve(
-                path, num_prefill, port, [*flags, "--num-prefill", str(num_prefill)]
+                path, num_prefill, port, [*flags, "--num-prefill", str(num_prefill)], trace_dir
             )
             print(f"{mode}: serving after {time.monotonic() - t:.0f} s", flush=True)
             try:
@@ -264,7 +299,9 @@ def main() -> None:
                 gw = gateway_pid(proc)
                 for seed, c in enumerate(map(int, concurrencies.split(","))):
                     cpu0 = process_cpu_s(gw) if gw else float("nan")
+                    t0 = time.perf_counter()
                     r = bench_point(path, port, c, args.num_prompts, out_dir, label, seed)
+                    windows[str(c)] = (t0, time.perf_counter())
                     p = modes[mode][str(c)] = point_figures(r, offline)
                     # The gateway's CPU over the point (its one process: busy near 1 = saturated)
                     gw_cpu_s = (process_cpu_s(gw) if gw else float("nan")) - cpu0
@@ -286,11 +323,18 @@ def main() -> None:
                 raise
             finally:
                 stop_serve(proc)
+            for c, (t0, t1) in windows.items():  # each service's steps during the point
+                modes[mode][c]["steps"] = {
+                    f.stem: summarize(json.loads(f.read_text()), t0, t1)
+                    for f in sorted(trace_dir.glob("*.json"))
+                }
+                for name, st in modes[mode][c]["steps"].items():
+                    print(mode, c, name, steps_line(st), flush=True)
     config = {"model_shape": "qwen3-8b", "engine_flags": ENGINE_FLAGS,
               "uncapped_engine_flags": uncapped_flags if args.compare_uncapped else None,
               "fixed_cap_engine_flags": fixed_cap_flags if args.compare_fixed_cap else None,
               "num_prompts": args.num_prompts, "input_len": 512, "output_len": 128}  # fmt: skip
-    summary = {"offline_output_tok_s": offline, "modes": modes}
+    summary = {"offline_output_tok_s": offline, "offline_steps": offline_steps, "modes": modes}
     path = write_result("serve_gpu", config, summary, out_dir)
     path.write_text(json.dumps({**summary, **json.loads(path.read_text())}, indent=2) + "\n")
     header = ("mode", "conc", "out tok/s", "/offline", "errors", "TTFT p50/p99", "/idle",

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -37,6 +38,7 @@ from engine.serving import (
     engine_config_from_args,
     serve_health,
 )
+from engine.step_trace import StepTrace
 from engine.tokenizer import get_eos_token_ids, load_tokenizer
 from kv_transfer import Agent
 
@@ -153,7 +155,11 @@ async def run_service(
     service_name: str | tuple[str, ...],
 ) -> None:
     config = engine_config_from_args(args)
-    engine = AsyncEngine(EngineCore(config))
+    core = EngineCore(config)
+    # Diagnosis, off by default: every engine step's timing, written when the service stops.
+    trace_dir = os.environ.get("TANDEM_STEP_TRACE_DIR")
+    trace = StepTrace(core).install() if trace_dir else None
+    engine = AsyncEngine(core)
     instance_id = args.instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
     agent = await engine.call(
         _make_agent, instance_id, args.kv_backend, args.kv_net_devices, engine.core
@@ -201,6 +207,9 @@ async def run_service(
         health.task.cancel()
         kv.stop()
         engine.shutdown()
+        if trace is not None:
+            trace.write(Path(trace_dir) / f"{instance_id}.json")
+            logger.info("Step trace written to %s/%s.json", trace_dir, instance_id)
 
 
 def _drain_on_signals() -> asyncio.Event:

@@ -5,6 +5,8 @@ leaves the Redis pool, finishes the stream it holds to the last token, and exits
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import signal
 import sys
 
@@ -15,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.internal_auth import internal_channel
 from engine.registry import INSTANCES_KEY
 from engine.sampling_params import SamplingParams
+from engine.step_trace import KINDS, summarize
 from tests.integration.services import ENGINE_FLAGS, decode_stub, generate_request
 from tests.integration.test_supervision import DECODE_SERVICE, START_S, LineProc
 from tests.redis_server import redis_server  # noqa: F401  (the fixture)
@@ -44,11 +47,14 @@ async def _until(check, timeout_s: float = 30.0) -> None:
 
 def test_sigterm_drains_a_decode_without_losing_its_stream(
     tiny_qwen3_path,
+    tmp_path,
     redis_server,  # noqa: F811
 ):
     cmd = [sys.executable, "-m", "tests.integration.slow_decode", "0.04", str(tiny_qwen3_path)]
     flags = [*ENGINE_FLAGS, "--port", "0", "--redis-url", redis_server.url]
-    service = LineProc([*cmd, *flags])
+    # Its steps traced too: the trace is written as a drained service stops.
+    env = {**os.environ, "TANDEM_STEP_TRACE_DIR": str(tmp_path)}
+    service = LineProc([*cmd, *flags], env=env)
     registry = redis.Redis.from_url(redis_server.url)
     try:
         _, m = service.wait_for(r"^READY decode (\S+)$", START_S)
@@ -99,6 +105,10 @@ def test_sigterm_drains_a_decode_without_losing_its_stream(
         assert len(tokens) == NUM_TOKENS  # nothing truncated
         assert service.proc.wait(30) == 0
         service.wait_for(r"drained in [\d.]+ s; exiting", 5)
+        (trace,) = tmp_path.glob("decode-*.json")
+        st = summarize(json.loads(trace.read_text()))
+        # The held stream's 20 prompt tokens, then each output token but the last fed back.
+        assert sum(st[k]["tokens"] for k in KINDS) == 20 + NUM_TOKENS - 1
     finally:
         if service.proc.poll() is None:
             service.proc.kill()

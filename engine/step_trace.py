@@ -1,0 +1,160 @@
+"""Per-step timing of an engine: where a serving or offline run's time goes, step by step.
+
+Off by default. `StepTrace(core).install()` wraps the engine's step, its scheduler's `schedule`
+and its runner's `execute` / `launch_decode`; every runner call becomes one row (its kind,
+sequences, tokens, host time) with, on CUDA, two events around the GPU work it enqueues. The
+GPU's idle time between two steps is the gap from one row's end event to the next one's start
+event (zero while the GPU still runs the step before): the host's share of a step that the GPU
+waited for. `summarize` turns rows (live or read back from JSON) into totals over a window.
+
+Users: `bench/gpu_engine.py` (the offline job), and a service started with
+`TANDEM_STEP_TRACE_DIR=<dir>`, which writes `<dir>/<instance id>.json` when it stops
+(`bench/serve_gpu.py` reads them back for each point's window).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+KINDS = ("decode_only", "mixed", "async_decode")
+MAX_ROWS = 2_000_000  # a long-lived service stops recording there (and says so in the file)
+
+
+class StepTrace:
+    def __init__(self, core: Any):
+        self.core = core
+        self.cuda = core.runner.device.type == "cuda"
+        # (kind, sequences, tokens, host start, host s, start event, end event)
+        self.calls: list[tuple[str, int, int, float, float, Any, Any]] = []
+        self.steps: list[tuple[float, float, float]] = []  # (host start, step s, schedule s)
+        self.dropped = 0
+        self._schedule_s = 0.0
+
+    # ---- recording -------------------------------------------------------------------------
+    def install(self) -> StepTrace:
+        runner, sched, core = self.core.runner, self.core.scheduler, self.core
+        execute, launch, schedule, step = (
+            runner.execute,
+            runner.launch_decode,
+            sched.schedule,
+            core.step,
+        )
+
+        def traced_execute(s, kv):
+            decode = max(x.num_new_tokens for x in s.scheduled) == 1
+            return self._call("decode_only" if decode else "mixed", s, execute, s, kv)
+
+        def traced_launch(s, kv, prev):  # host time only: the GPU runs on
+            return self._call("async_decode", s, launch, s, kv, prev)
+
+        def traced_schedule():
+            t = time.perf_counter()
+            try:
+                return schedule()
+            finally:
+                self._schedule_s += time.perf_counter() - t
+
+        def traced_step():
+            t, self._schedule_s = time.perf_counter(), 0.0
+            try:
+                return step()
+            finally:
+                if len(self.steps) < MAX_ROWS:
+                    self.steps.append((t, time.perf_counter() - t, self._schedule_s))
+
+        runner.execute, runner.launch_decode = traced_execute, traced_launch
+        sched.schedule, core.step = traced_schedule, traced_step
+        return self
+
+    def remove(self) -> None:
+        """The classes' own methods again."""
+        del self.core.runner.execute, self.core.runner.launch_decode
+        del self.core.scheduler.schedule, self.core.step
+
+    def clear(self) -> None:
+        self.calls.clear()
+        self.steps.clear()
+        self.dropped = 0
+
+    def _call(self, kind: str, sched, fn, *args):
+        if len(self.calls) >= MAX_ROWS:
+            self.dropped += 1
+            return fn(*args)
+        new = [s.num_new_tokens for s in sched.scheduled]
+        e0 = e1 = None
+        if self.cuda:
+            import torch
+
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+        t = time.perf_counter()
+        out = fn(*args)
+        host_s = time.perf_counter() - t
+        if e1 is not None:
+            e1.record()
+        self.calls.append((kind, len(new), sum(new), t, host_s, e0, e1))
+        return out
+
+    # ---- reading ---------------------------------------------------------------------------
+    def rows(self) -> dict:
+        """Plain numbers (synchronizes the GPU): GPU times in ms from the first call's start."""
+        calls = []
+        ref = self.calls[0][5] if self.calls and self.cuda else None
+        if ref is not None:
+            import torch
+
+            torch.cuda.synchronize()
+        for kind, seqs, tokens, t, host_s, e0, e1 in self.calls:
+            row = {"kind": kind, "seqs": seqs, "tokens": tokens, "t": t, "host_s": host_s}
+            if ref is not None:
+                row["gpu_start_ms"] = ref.elapsed_time(e0)
+                row["gpu_end_ms"] = ref.elapsed_time(e1)
+            calls.append(row)
+        steps = [{"t": t, "step_s": s, "schedule_s": sc} for t, s, sc in self.steps]
+        return {"calls": calls, "steps": steps, "dropped_calls": self.dropped}
+
+    def write(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.rows()) + "\n")
+
+
+def summarize(rows: dict, t_from: float = float("-inf"), t_to: float = float("inf")) -> dict:
+    """Totals of the calls and steps that started in [t_from, t_to] (`time.perf_counter`, the
+    host's monotonic clock, shared by the processes of one machine)."""
+    calls = [c for c in rows["calls"] if t_from <= c["t"] <= t_to]
+    steps = [s for s in rows["steps"] if t_from <= s["t"] <= t_to]
+    gpu = bool(calls) and "gpu_start_ms" in calls[0]
+    out: dict[str, Any] = {
+        "engine_steps": len(steps),
+        "step_s": sum(s["step_s"] for s in steps),
+        "schedule_s": sum(s["schedule_s"] for s in steps),
+        "runner_host_s": sum(c["host_s"] for c in calls),
+        "dropped_calls": rows.get("dropped_calls", 0),
+    }
+    for kind in KINDS:
+        mine = [c for c in calls if c["kind"] == kind]
+        out[kind] = {
+            "steps": len(mine),
+            "execute_s": sum(c["host_s"] for c in mine),
+            "mean_seqs": statistics.mean(c["seqs"] for c in mine) if mine else 0,
+            "mean_tokens": statistics.mean(c["tokens"] for c in mine) if mine else 0,
+            "tokens": sum(c["tokens"] for c in mine),
+        }
+        if gpu:
+            spans = (c["gpu_end_ms"] - c["gpu_start_ms"] for c in mine)
+            out[kind]["gpu_span_s"] = sum(spans) / 1e3
+    if gpu:
+        idle: dict[str, float] = {}  # by (previous, this) kind
+        for before, after in zip(calls, calls[1:]):
+            key = f"{before['kind']}->{after['kind']}"
+            gap = max(0.0, after["gpu_start_ms"] - before["gpu_end_ms"]) / 1e3
+            idle[key] = idle.get(key, 0.0) + gap
+        out["gpu_idle_between_steps_s"] = sum(idle.values())
+        out["gpu_idle_between_steps_by_kind_s"] = idle
+        if calls:
+            out["gpu_first_to_last_s"] = (calls[-1]["gpu_end_ms"] - calls[0]["gpu_start_ms"]) / 1e3
+    return out
