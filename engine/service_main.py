@@ -156,7 +156,7 @@ async def run_service(
 ) -> None:
     config = engine_config_from_args(args)
     core = EngineCore(config)
-    # Diagnosis, off by default: every engine step's timing, written when the service stops.
+    # Diagnosis, off by default: every engine step's timing, written as the service stops.
     trace_dir = os.environ.get("TANDEM_STEP_TRACE_DIR")
     trace = StepTrace(core).install() if trace_dir else None
     engine = AsyncEngine(core)
@@ -199,6 +199,8 @@ async def run_service(
     print(f"READY {role} {args.host}:{port}", flush=True)
     try:
         outcome = await _serve_until(server, engine, drain)
+        if trace is not None:  # now: a stop's grace period may end in SIGKILL before the drain's
+            trace.write(Path(trace_dir) / f"{instance_id}.json")
         if outcome == "died":
             await _die(server, engine, health.task, kv)
         elif outcome == "drain":
@@ -207,7 +209,7 @@ async def run_service(
         health.task.cancel()
         kv.stop()
         engine.shutdown()
-        if trace is not None:
+        if trace is not None:  # again, whole
             trace.write(Path(trace_dir) / f"{instance_id}.json")
             logger.info("Step trace written to %s/%s.json", trace_dir, instance_id)
 

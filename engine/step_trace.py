@@ -8,7 +8,7 @@ event (zero while the GPU still runs the step before): the host's share of a ste
 waited for. `summarize` turns rows (live or read back from JSON) into totals over a window.
 
 Users: `bench/gpu_engine.py` (the offline job), and a service started with
-`TANDEM_STEP_TRACE_DIR=<dir>`, which writes `<dir>/<instance id>.json` when it stops
+`TANDEM_STEP_TRACE_DIR=<dir>`, which writes `<dir>/<instance id>.json` as it begins to stop
 (`bench/serve_gpu.py` reads them back for each point's window).
 """
 
@@ -101,25 +101,30 @@ class StepTrace:
 
     # ---- reading ---------------------------------------------------------------------------
     def rows(self) -> dict:
-        """Plain numbers (synchronizes the GPU): GPU times in ms from the first call's start."""
+        """Plain numbers (synchronizes the GPU): GPU times in ms from the first call's start.
+        Safe while the engine runs: the rows so far (each appended after its end event)."""
+        recorded, steps = self.calls[: len(self.calls)], self.steps[: len(self.steps)]
         calls = []
-        ref = self.calls[0][5] if self.calls and self.cuda else None
+        ref = recorded[0][5] if recorded and self.cuda else None
         if ref is not None:
             import torch
 
             torch.cuda.synchronize()
-        for kind, seqs, tokens, t, host_s, e0, e1 in self.calls:
+        for kind, seqs, tokens, t, host_s, e0, e1 in recorded:
             row = {"kind": kind, "seqs": seqs, "tokens": tokens, "t": t, "host_s": host_s}
             if ref is not None:
                 row["gpu_start_ms"] = ref.elapsed_time(e0)
                 row["gpu_end_ms"] = ref.elapsed_time(e1)
             calls.append(row)
-        steps = [{"t": t, "step_s": s, "schedule_s": sc} for t, s, sc in self.steps]
+        steps = [{"t": t, "step_s": s, "schedule_s": sc} for t, s, sc in steps]
         return {"calls": calls, "steps": steps, "dropped_calls": self.dropped}
 
     def write(self, path: Path) -> None:
+        """Whole or not at all (a process killed while writing leaves the last file)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.rows()) + "\n")
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.rows()) + "\n")
+        tmp.replace(path)
 
 
 def summarize(rows: dict, t_from: float = float("-inf"), t_to: float = float("inf")) -> dict:
