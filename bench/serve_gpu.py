@@ -118,12 +118,19 @@ def gateway_pid(serve: subprocess.Popen) -> int | None:
 
 
 def stop_serve(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
+    """SIGTERM to `tandem serve` alone, which stops its children once each (a second SIGTERM
+    stops a draining service at once, before it writes its step trace); then SIGKILL to
+    whatever is left of its process group."""
+    proc.terminate()
     try:
         proc.wait(120)
     except subprocess.TimeoutExpired:
+        print("tandem serve did not stop within 120 s: SIGKILL to its group", flush=True)
+    try:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    except ProcessLookupError:  # the group is gone: nothing left
+        pass
+    proc.wait()
 
 
 def ttft_p50_by_wave_ms(r: dict) -> list[float]:
@@ -323,6 +330,7 @@ def main() -> None:
                 raise
             finally:
                 stop_serve(proc)
+                (out_dir / f"serve_gpu-{mode}.log").write_text("".join(log[-5000:]))
             for c, (t0, t1) in windows.items():  # each service's steps during the point
                 modes[mode][c]["steps"] = {
                     f.stem: summarize(json.loads(f.read_text()), t0, t1)
