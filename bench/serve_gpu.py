@@ -25,7 +25,10 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import print_table, process_cpu_s, write_result
 from bench.structured_output import QWEN3_8B, make_model_dir
@@ -90,9 +93,11 @@ def start_serve(
     )
     lines: list[str] = []
     deadline = time.monotonic() + 400
+    # With --metrics-port, the line after "Tandem is serving" names the metrics endpoints.
+    last = "Metrics: " if "--metrics-port" in cmd else "Tandem is serving"
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith("Tandem is serving"):
+        if line.startswith(last):
             # Keep reading the services' log (a full pipe would block them); kept for failures.
             threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
             return proc, lines
@@ -100,6 +105,45 @@ def start_serve(
             break
     stop_serve(proc)
     raise RuntimeError("tandem serve did not come up:\n" + "".join(lines[-40:]))
+
+
+def metrics_urls(log: list[str]) -> dict[str, str]:
+    """{"gateway": url, "decode 0": url, ...} from `tandem serve`'s "Metrics: " line."""
+    line = next(ln for ln in log if ln.startswith("Metrics: "))
+    pairs = (item.rsplit(" ", 1) for item in line.removeprefix("Metrics: ").strip().split(", "))
+    return {name: url for name, url in pairs}
+
+
+def ttft_totals(urls: dict[str, str]) -> dict[str, tuple[float, float]]:
+    """Each process's `vllm:time_to_first_token_seconds` histogram: (sum s, count). The
+    gateway's runs from its request's arrival to its first chunk, a service's from its gRPC
+    call to its first token; the client's own TTFT includes both, so the differences are each
+    layer's share."""
+    out = {}
+    for name, url in urls.items():
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            text = resp.read().decode()
+        total, count = 0.0, 0.0
+        for family in text_string_to_metric_families(text):
+            if family.name != "vllm:time_to_first_token_seconds":
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_sum"):
+                    total += sample.value
+                elif sample.name.endswith("_count"):
+                    count += sample.value
+        out[name] = (total, count)
+    return out
+
+
+def ttft_mean_ms_by_layer(before: dict, after: dict, client_mean_ms: float) -> dict:
+    """Mean TTFT over a point seen by the client and by each process (from two `ttft_totals`)."""
+    out = {"client": client_mean_ms}
+    for name, (total, count) in after.items():
+        t0, c0 = before.get(name, (0.0, 0.0))
+        if count > c0:  # a prefill answers no streams: no TTFT of its own
+            out[name] = 1e3 * (total - t0) / (count - c0)
+    return out
 
 
 def gateway_pid(serve: subprocess.Popen) -> int | None:
@@ -294,8 +338,13 @@ def main() -> None:
             trace_dir = Path(tmp) / f"trace-{mode}"
             windows: dict[str, tuple[float, float]] = {}  # each point's span, for its steps
             proc, log = start_serve(
-                path, num_prefill, port, [*flags, "--num-prefill", str(num_prefill)], trace_dir
+                path,
+                num_prefill,
+                port,
+                [*flags, "--num-prefill", str(num_prefill), "--metrics-port", "0"],
+                trace_dir,
             )
+            urls = metrics_urls(log)
             print(f"{mode}: serving after {time.monotonic() - t:.0f} s", flush=True)
             try:
                 modes[mode] = {}
@@ -306,10 +355,14 @@ def main() -> None:
                 gw = gateway_pid(proc)
                 for seed, c in enumerate(map(int, concurrencies.split(","))):
                     cpu0 = process_cpu_s(gw) if gw else float("nan")
+                    ttft0 = ttft_totals(urls)
                     t0 = time.perf_counter()
                     r = bench_point(path, port, c, args.num_prompts, out_dir, label, seed)
                     windows[str(c)] = (t0, time.perf_counter())
                     p = modes[mode][str(c)] = point_figures(r, offline)
+                    p["ttft_mean_ms_by_layer"] = ttft_mean_ms_by_layer(
+                        ttft0, ttft_totals(urls), r["mean_ttft_ms"]
+                    )
                     # The gateway's CPU over the point (its one process: busy near 1 = saturated)
                     gw_cpu_s = (process_cpu_s(gw) if gw else float("nan")) - cpu0
                     p["gateway_cpu_fraction"] = gw_cpu_s / r["duration"]
