@@ -180,6 +180,9 @@ class SchedulerConfig:
     # Launch decode step N+1 before reading step N's tokens (steady greedy decode under CUDA
     # graphs): the host's scheduling and output work overlaps the GPU. None: on with graphs.
     async_scheduling: bool | None = None
+    # With async scheduling: launch steps with prompt chunks ahead too (greedy rows, no prompt
+    # logprobs), admitting new requests while a step runs. Off until measured on a GPU.
+    async_mixed_steps: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -380,6 +383,7 @@ class EngineConfig:
         max_prefill_tokens_while_decoding: int = 0,
         prefill_backlog_steps: int = 0,
         async_scheduling: bool | None = None,
+        async_mixed_steps: bool = False,
         load_format: str = "auto",
         enforce_eager: bool = False,
         cudagraph_mode: str = "FULL_AND_PIECEWISE",
@@ -454,6 +458,7 @@ class EngineConfig:
             max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
             prefill_backlog_steps=prefill_backlog_steps,
             async_scheduling=async_scheduling,
+            async_mixed_steps=async_mixed_steps,
         )
         return cls(
             model_config, cache_config, scheduler_config, device, structured_outputs, speculative

@@ -187,6 +187,13 @@ class DecodeGraphs:
         self.run(*inputs, src_rows=src_rows)
         return self.read_tokens(len(src_rows))
 
+    def read_tokens_of_eager_step(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """`read_tokens` for a step that replayed no graph (a mixed step launched ahead, its
+        tokens written to `last_tokens`): the buffers alternate as after a `run`, so the copy
+        never lands in the one the step before may still be read from."""
+        self._turn ^= 1
+        return self.read_tokens(n)
+
     def read_tokens(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event]:
         """Queue the copy of `last_tokens[:n]` (the last replay's greedy tokens, or what the
         caller wrote there since: a grammar's masked argmax) to the host; called once per

@@ -154,7 +154,7 @@ class EngineCore:
                 self.kv.free(request)  # a decode's blocks, written by a remote prefill
             return
         pending = self._pending
-        if pending is None or request.hold_blocks or request.request_id not in pending.row_of:
+        if pending is None or request.hold_blocks or not pending.holds(request.request_id):
             self.scheduler.finish_request(request, status)
             return
         self.scheduler.finish_request(request, status, free_blocks=False)
@@ -207,10 +207,15 @@ class EngineCore:
         if sched.is_empty:
             return self._resolve(pending) if pending is not None else []
         if self._fits_async(sched):
-            launched = self.runner.launch_decode(sched, self.kv, pending)
-            for s in sched.scheduled:
-                s.request.append_output_token(PLACEHOLDER)
-                s.request.num_placeholders += 1
+            ends = [s.reaches_end for s in sched.scheduled]  # the rows that sample a token
+            if all(s.num_new_tokens == 1 for s in sched.scheduled):
+                launched = self.runner.launch_decode(sched, self.kv, pending)
+            else:
+                launched = self.runner.launch_mixed(sched, self.kv, pending)
+            for s, end in zip(sched.scheduled, ends):
+                if end:
+                    s.request.append_output_token(PLACEHOLDER)
+                    s.request.num_placeholders += 1
             self.scheduler.update_after_step(sched)
             self._pending = launched
             try:
@@ -229,14 +234,19 @@ class EngineCore:
         return outputs + self._execute(sched)
 
     def _may_pipeline(self) -> bool:
-        """Launching before resolving needs a scheduler that admits nothing new (no one
-        waits, or max_num_seqs are running) and cannot preempt (every running request may
-        need one new block)."""
+        """Launching before resolving needs a scheduler that cannot preempt (every running
+        request may need one new block) and, unless mixed steps launch ahead too, admits
+        nothing new (no one waits, or max_num_seqs are running): a step with new prompts
+        would run synchronously after all."""
         sch = self.scheduler
         admits = len(sch.waiting) > 0 and len(sch.running) < sch.config.max_num_seqs
-        return not admits and self.kv.num_free_blocks >= len(sch.running)
+        if admits and not self.runner.async_mixed_steps:
+            return False
+        return self.kv.num_free_blocks >= len(sch.running)
 
     def _fits_async(self, sched) -> bool:
+        if sched.preempted_ids:  # the pool ran dry: resolve first (a victim may be in flight)
+            return False
         if not self._may_pipeline() or not self.runner.can_launch_async(sched):
             return False
         # The launched token must be one the request may still produce; a prefill-role request

@@ -55,7 +55,8 @@ class ModelRunnerOutput:
 
 @dataclass
 class LaunchedStep:
-    """A greedy decode step launched on the GPU whose tokens the host has not read yet."""
+    """A greedy step launched on the GPU whose tokens the host has not read yet: a decode
+    step, or with `async_mixed_steps` one with prompt chunks."""
 
     rows: list[tuple[Request, int]]  # (request, index of its placeholder in output_token_ids)
     row_of: dict[str, int]  # request id -> row
@@ -66,6 +67,11 @@ class LaunchedStep:
     event: torch.cuda.Event | None = None  # recorded after that copy
     cpu_tokens: list[int] | None = None  # known at once when the step ran eagerly
     deferred_free: list[Request] = field(default_factory=list)  # free once this step is done
+    chunk_ids: set[str] = field(default_factory=set)  # rows that sample nothing (a chunk)
+
+    def holds(self, request_id: str) -> bool:
+        """The request has a row in this step (its KV may still be being written)."""
+        return request_id in self.row_of or request_id in self.chunk_ids
 
     @property
     def is_sampled(self) -> bool:
@@ -308,14 +314,28 @@ class ModelRunner:
             return False
         return self.graphs is not None if flag is None else flag
 
+    @property
+    def async_mixed_steps(self) -> bool:
+        return self.async_scheduling and self.config.scheduler.async_mixed_steps
+
     def can_launch_async(self, sched: SchedulerOutput) -> bool:
         """A batch `launch_decode` can take: one new token per row, sampling that is an argmax
         of the logits (the graphs' argmax, or under a grammar the argmax of the masked logits;
-        no logit bias, penalties or logprobs), and a captured graph large enough."""
+        no logit bias, penalties or logprobs), and a captured graph large enough. Or one with
+        prompt chunks that `launch_mixed` can take: every row plain greedy, no prompt logprobs,
+        no drafts."""
         if not self.async_scheduling:
             return False
         if any(s.num_new_tokens != 1 for s in sched.scheduled):
-            return False
+            num_sampled = sum(s.reaches_end for s in sched.scheduled)
+            if self.graphs is not None and num_sampled > self.graphs.last_tokens.numel():
+                return False
+            return self.async_mixed_steps and all(
+                is_plain_greedy(s.request.sampling_params, s.request.num_output_tokens)
+                and s.request.sampling_params.prompt_logprobs is None
+                and not s.draft_token_ids
+                for s in sched.scheduled
+            )
         if self.graphs is not None and self.graphs.graph_size(len(sched.scheduled)) is None:
             return False
         return all(
@@ -360,6 +380,48 @@ class ModelRunner:
         return step
 
     @torch.inference_mode()
+    def launch_mixed(
+        self, sched: SchedulerOutput, kv: KVCacheManager, prev: LaunchedStep | None
+    ) -> LaunchedStep:
+        """Start a step with prompt chunks (and decodes) without reading its tokens, as
+        `launch_decode` does for decode-only steps: a decode row of a request in `prev` takes
+        its input id from prev's greedy token on the device (`last_tokens`); the rows that
+        reach their end are argmaxed into `last_tokens`, where the next launched step finds
+        them, and copied to the host behind an event."""
+        ids, pos, slots, qsl, seq_lens, tables = self._prepare(sched, kv)
+        ends = [i for i, s in enumerate(sched.scheduled) if s.reaches_end]
+        reqs = [s.request for s in sched.scheduled]
+        step = LaunchedStep(
+            rows=[(reqs[i], reqs[i].num_output_tokens) for i in ends],
+            row_of={reqs[i].request_id: k for k, i in enumerate(ends)},
+            chunk_ids={r.request_id for r in reqs} - {reqs[i].request_id for i in ends},
+        )
+        # (token index in the batch, prev's row) of each input the host does not know yet
+        src = [
+            (qsl[i], prev.row_of[r.request_id])
+            for i, (s, r) in enumerate(zip(sched.scheduled, reqs))
+            if prev is not None and s.num_new_tokens == 1 and r.request_id in prev.row_of
+        ]
+        max_q = max(s.num_new_tokens for s in sched.scheduled)
+        last = [qsl[i + 1] - 1 for i in ends]
+        if self.graphs is None:  # CPU, enforce_eager: run now, as `launch_decode` does
+            known = prev.tokens() if src else []
+            for t, j in src:
+                ids[t] = known[j]
+            hidden = self._run_eager(ids, pos, slots, qsl, seq_lens, tables, max_q)
+            logits = self.model.compute_logits(hidden[last])
+            step.cpu_tokens = logits.argmax(dim=-1).tolist()
+            return step
+        hidden, extra = self._run_eager(
+            ids, pos, slots, qsl, seq_lens, tables, max_q, src=src, extra=last
+        )
+        logits = self.model.compute_logits(hidden[extra])
+        n = len(ends)
+        torch.argmax(logits, dim=-1, out=self.graphs.last_tokens[:n])
+        step.tokens_host, step.event = self.graphs.read_tokens_of_eager_step(n)
+        return step
+
+    @torch.inference_mode()
     def launch_sampling(self, step: LaunchedStep) -> None:
         """Sample a step `launch_decode` left at its logits: mask the rows whose grammar
         constrains their next token (the matchers as they are now: they must have taken the
@@ -398,8 +460,22 @@ class ModelRunner:
         self._sample(sched, hidden, qsl, out)
         return out
 
-    def _run_eager(self, input_ids, pos_parts, slot_parts, qsl, seq_lens, tables, max_query_len):
-        """Hidden states of every new token: one H2D copy of the batch, one forward."""
+    def _run_eager(
+        self,
+        input_ids,
+        pos_parts,
+        slot_parts,
+        qsl,
+        seq_lens,
+        tables,
+        max_query_len,
+        src: list[tuple[int, int]] | None = None,
+        extra: list[int] | None = None,
+    ):
+        """Hidden states of every new token: one H2D copy of the batch, one forward.
+        `src` (a launched step, graphs on): (i, j) pairs, the input id at token i is the
+        previous step's greedy token of its row j (`last_tokens[j]`), gathered on the device.
+        `extra`: ints that ride the same copy; then returns (hidden, them on the device)."""
         bs = self.block_size
         n_tok, n_seq = len(input_ids), len(seq_lens)
         # Piecewise graphs: ids, positions and slots padded to the captured size p (w rows).
@@ -408,16 +484,23 @@ class ModelRunner:
         positions = np.hstack(pos_parts)
         slots = np.hstack(slot_parts)
         width = max(cdiv(n, bs) for n in seq_lens)
-        # One host buffer, one copy: [ids | positions | slots | seq_lens | qsl | tables].
+        # One host buffer, one copy: [ids | positions | slots | seq_lens | qsl | tables |
+        # src token indices | src rows | extra].
         o = 3 * w + 2 * n_seq + 1
-        host = np.zeros(o + n_seq * width, dtype=np.int64)
+        e = o + n_seq * width
+        num_src, num_extra = len(src or ()), len(extra or ())
+        host = np.zeros(e + 2 * num_src + num_extra, dtype=np.int64)
+        if num_src:
+            host[e : e + 2 * num_src] = np.asarray(src, dtype=np.int64).T.ravel()
+        if num_extra:
+            host[e + 2 * num_src :] = extra
         host[:n_tok] = input_ids
         host[w : w + n_tok] = positions
         host[2 * w : 2 * w + n_tok] = slots
         host[2 * w + n_tok : 3 * w] = -1  # padding rows store no K/V
         host[3 * w : 3 * w + n_seq] = seq_lens
         host[3 * w + n_seq : o] = qsl
-        table_view = host[o:].reshape(n_seq, width)
+        table_view = host[o:e].reshape(n_seq, width)
         for i, t in enumerate(tables):
             table_view[i, : cdiv(seq_lens[i], bs)] = t[: cdiv(seq_lens[i], bs)]
         host_t = torch.from_numpy(host)
@@ -429,7 +512,10 @@ class ModelRunner:
         ids_t, pos_t, slots_t = dev[:n_tok], dev[w : w + n_tok], dev[2 * w : 2 * w + n_tok]
         lens_t = dev[3 * w : 3 * w + n_seq].to(torch.int32)
         qsl_t = dev[3 * w + n_seq : o].to(torch.int32)
-        tables_t = dev[o:].view(n_seq, width).to(torch.int32)
+        tables_t = dev[o:e].view(n_seq, width).to(torch.int32)
+        if num_src:  # the ids the host does not know yet, from the last step's tokens
+            at, rows = dev[e : e + num_src].clone(), dev[e + num_src : e + 2 * num_src]
+            dev[at] = self.graphs.last_tokens[rows]
         meta = AttentionMetadata(
             slot_mapping=slots_t,
             query_start_loc=qsl_t,
@@ -442,8 +528,12 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
         )
         if p is not None:
-            return self.piecewise.run(dev[: 3 * p], n_tok, meta)
-        return self._forward(ids_t, pos_t, meta)
+            hidden = self.piecewise.run(dev[: 3 * p], n_tok, meta)
+        else:
+            hidden = self._forward(ids_t, pos_t, meta)
+        if extra is None:
+            return hidden
+        return hidden, dev[e + 2 * num_src :]
 
     def _forward(self, input_ids, positions, meta) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_cache, meta, self.attn_backend)

@@ -178,6 +178,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="overlap scheduling with the GPU in steady greedy decode (default: with graphs)",
     )
     parser.add_argument(
+        "--async-mixed-steps",
+        action="store_true",
+        help="with async scheduling, also launch steps with prompt chunks ahead (greedy rows "
+        "without prompt logprobs), admitting requests while a step runs (experimental: not "
+        "yet measured on a GPU)",
+    )
+    parser.add_argument(
         "--structured-outputs-config.backend",
         dest="structured_outputs_backend",
         type=_structured_outputs_backend,
@@ -242,6 +249,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         cudagraph_mode=getattr(args, "cudagraph_mode", "FULL_AND_PIECEWISE"),
         async_scheduling=args.async_scheduling,
+        async_mixed_steps=args.async_mixed_steps,
         structured_outputs_config=StructuredOutputsConfig(
             backend=getattr(args, "structured_outputs_backend", "auto")
         ),

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-KINDS = ("decode_only", "mixed", "async_decode")
+KINDS = ("decode_only", "mixed", "async_decode", "async_mixed")
 MAX_ROWS = 2_000_000  # a long-lived service stops recording there (and says so in the file)
 
 
@@ -37,9 +37,10 @@ class StepTrace:
     # ---- recording -------------------------------------------------------------------------
     def install(self) -> StepTrace:
         runner, sched, core = self.core.runner, self.core.scheduler, self.core
-        execute, launch, schedule, step = (
+        execute, launch, launch_mixed, schedule, step = (
             runner.execute,
             runner.launch_decode,
+            runner.launch_mixed,
             sched.schedule,
             core.step,
         )
@@ -50,6 +51,9 @@ class StepTrace:
 
         def traced_launch(s, kv, prev):  # host time only: the GPU runs on
             return self._call("async_decode", s, launch, s, kv, prev)
+
+        def traced_launch_mixed(s, kv, prev):
+            return self._call("async_mixed", s, launch_mixed, s, kv, prev)
 
         def traced_schedule():
             t = time.perf_counter()
@@ -67,12 +71,13 @@ class StepTrace:
                     self.steps.append((t, time.perf_counter() - t, self._schedule_s))
 
         runner.execute, runner.launch_decode = traced_execute, traced_launch
+        runner.launch_mixed = traced_launch_mixed
         sched.schedule, core.step = traced_schedule, traced_step
         return self
 
     def remove(self) -> None:
         """The classes' own methods again."""
-        del self.core.runner.execute, self.core.runner.launch_decode
+        del self.core.runner.execute, self.core.runner.launch_decode, self.core.runner.launch_mixed
         del self.core.scheduler.schedule, self.core.step
 
     def clear(self) -> None:

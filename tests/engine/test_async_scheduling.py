@@ -320,3 +320,146 @@ def test_prompt_logprobs_when_the_last_chunk_is_one_token(tiny_qwen3_path):
     for a, b in zip(sync.prompt_logprobs[1:], asyn.prompt_logprobs[1:]):
         assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-5 for t in a)
     assert asyn.outputs[0].token_ids == sync.outputs[0].token_ids
+
+
+# ---- mixed steps launched ahead (`async_mixed_steps`) -----------------------------------------
+def _mixed_llm(path, async_scheduling: bool, device: str = "cpu") -> LLM:
+    """Three slots and 24 tokens a step for six prompts: prompts arrive while steps are in
+    flight and are prefilled in chunks beside the running decodes."""
+    kw = dict(max_model_len=256, num_gpu_blocks_override=128) if device == "cuda" else {}
+    return LLM(
+        str(path),
+        async_scheduling=async_scheduling,
+        async_mixed_steps=async_scheduling,
+        max_num_seqs=3,
+        max_num_batched_tokens=24,
+        dtype="float32",
+        device=device,
+        **kw,
+    )
+
+
+def _count_mixed_launches(llm: LLM) -> list[tuple[int, int]]:
+    """(rows, rows taking an input token from the step in flight) of each `launch_mixed`."""
+    runner, calls = llm.engine.runner, []
+    launch = runner.launch_mixed
+
+    def counted(sched, kv, prev):
+        held = prev.row_of if prev is not None else {}
+        from_prev = sum(
+            s.num_new_tokens == 1 and s.request.request_id in held for s in sched.scheduled
+        )
+        calls.append((len(sched.scheduled), from_prev))
+        return launch(sched, kv, prev)
+
+    runner.launch_mixed = counted
+    return calls
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=GPU_ONLY)])
+def mixed_engines(request, tiny_qwen3_path):
+    """With CUDA the launched mixed steps run the device-side hand-off of the tokens (the
+    decode graphs' `last_tokens`), against the synchronous engine with the same graphs."""
+    sync = _mixed_llm(tiny_qwen3_path, False, request.param)
+    return sync, _mixed_llm(tiny_qwen3_path, True, request.param)
+
+
+def test_mixed_steps_launched_ahead_same_outputs(mixed_engines):
+    """Stops, max_tokens of 1 and 2, long outputs: the same tokens and finish reasons as the
+    synchronous engine, with chunked prompts launched ahead beside decodes whose input is the
+    token of the step in flight; every block back. (A min_tokens row makes its steps run in
+    sync until it has them: `test_same_outputs_as_sync` covers it.)"""
+    sync, asyn = mixed_engines
+    params = _params(sync)
+    stop_b = params[1].stop_token_ids
+    params[1] = SamplingParams(max_tokens=12, stop_token_ids=stop_b, temperature=0, ignore_eos=True)
+    launches = _count_mixed_launches(asyn)
+    free_before = asyn.engine.kv.num_free_blocks
+    prompts = PROMPTS + [[p + 50 for p in prompt] for prompt in reversed(PROMPTS)]
+    expect = sync.generate(prompts, params + params)
+    got = asyn.generate(prompts, params + params)
+    for e, g in zip(expect, got):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        assert g.outputs[0].finish_reason == e.outputs[0].finish_reason
+    assert len(launches) >= 5, "steps with prompt chunks were launched ahead"
+    assert any(from_prev for _, from_prev in launches), "a decode row took prev's token"
+    assert not asyn.engine.has_unfinished_requests()
+    assert asyn.engine.kv.num_free_blocks == free_before
+    assert asyn.engine.kv.req_to_blocks == {}
+
+
+def test_mixed_step_abort_of_a_chunk_in_flight(mixed_engines):
+    """Abort a request whose prompt chunk is in the launched step: its blocks come back only
+    once that step is resolved, and the other requests' tokens are unchanged."""
+    sync, asyn = mixed_engines
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expect = sync.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+    core = asyn.engine
+    free_before = core.kv.num_free_blocks
+    core.add_request(Request("keep", PROMPTS[0], params))
+    tokens: list[int] = []
+    aborted = False
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.request_id == "keep":
+                tokens += out.new_token_ids
+        if len(tokens) == 2 and "long" not in core.scheduler.requests and not aborted:
+            # 40 tokens never seen before (no prefix hit): two chunks
+            core.add_request(Request("long", list(range(500, 540)), params))
+        pending = core._pending
+        if not aborted and pending is not None and "long" in pending.chunk_ids:
+            assert core.abort_request("long")
+            assert any(r.request_id == "long" for r in pending.deferred_free)
+            aborted = True
+    assert aborted, "the long prompt's chunk was in a launched step"
+    assert tokens == expect
+    assert core.kv.num_free_blocks == free_before
+
+
+class _DeviceLikeGraphs:
+    """Stand-in for the decode graphs on a CPU: what a launched mixed step uses of them
+    (`last_tokens`, `read_tokens_of_eager_step`); no graph of any size (decode-only steps then
+    run eagerly, in sync), so that the device-side gather of the inputs is what runs."""
+
+    def __init__(self, n: int):
+        import torch
+
+        self.last_tokens = torch.full((n,), -7, dtype=torch.int64)
+        self.host = [torch.zeros(n, dtype=torch.int64) for _ in range(2)]
+        self.turn = 0
+        self.num_reads = 0
+
+    def graph_size(self, n: int) -> None:
+        return None
+
+    def read_tokens_of_eager_step(self, n: int):
+        self.turn ^= 1
+        self.num_reads += 1
+        host = self.host[self.turn]
+        host[:n] = self.last_tokens[:n]
+
+        class Done:
+            def synchronize(self) -> None:
+                pass
+
+        return host, Done()
+
+
+def test_mixed_steps_gather_inputs_on_the_device(tiny_qwen3_path):
+    """The GPU path of `launch_mixed` on a CPU: decode rows take their input from the step in
+    flight's tokens in `last_tokens` (a copy riding the batch's one upload), and the sampled
+    tokens go there and to the host buffer; outputs equal the synchronous engine's."""
+    sync, asyn = _mixed_llm(tiny_qwen3_path, False), _mixed_llm(tiny_qwen3_path, True)
+    runner = asyn.engine.runner
+    runner.graphs = graphs = _DeviceLikeGraphs(8)
+    launches = _count_mixed_launches(asyn)
+    # Finishes at different steps, so that prompts keep arriving beside decodes.
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 3, 1, 14, 6, 2)
+    ]
+    prompts = PROMPTS + [[p + 70 for p in prompt] for prompt in PROMPTS]
+    expect = sync.generate(prompts, params + params)
+    got = asyn.generate(prompts, params + params)
+    assert [g.outputs[0].token_ids for g in got] == [e.outputs[0].token_ids for e in expect]
+    assert graphs.num_reads == len(launches) >= 5
+    assert any(from_prev for _, from_prev in launches), "a decode row took prev's token"
