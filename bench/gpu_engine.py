@@ -43,7 +43,12 @@ from engine.step_trace import KINDS, StepTrace, summarize
 # The engine variants a run can measure: bf16 as the baseline, FP8 weights (`--quantization
 # fp8`) and the FP8 KV cache (`--kv-cache-dtype fp8`). bf16's figures sit at the top of a
 # model's results, as before variants existed; the others' under their name.
-VARIANTS = {"bf16": {}, "fp8": {"quantization": "fp8"}, "kv-fp8": {"kv_cache_dtype": "fp8"}}
+VARIANTS = {
+    "bf16": {},
+    "fp8": {"quantization": "fp8"},
+    "kv-fp8": {"kv_cache_dtype": "fp8"},
+    "async-mixed": {"async_mixed_steps": True},  # steps with prompt chunks launched ahead too
+}
 
 SHAPES = {
     "qwen3-0.6b": dict(

@@ -287,6 +287,11 @@ def main() -> None:
         "(modes['colocated_fixed_cap']), e.g. 256",
     )  # fmt: skip
     ap.add_argument(
+        "--compare-async-mixed", default="",
+        help="concurrencies to run again on a colocated server with --async-mixed-steps "
+        "(modes['colocated_async_mixed']), e.g. 256",
+    )  # fmt: skip
+    ap.add_argument(
         "--compare-decode-graphs-only", default="",
         help="concurrencies to run again on a colocated server with CUDA graphs for decode-only "
         "steps alone, no piecewise graphs (modes['colocated_decode_graphs_only']), e.g. 64",
@@ -316,6 +321,9 @@ def main() -> None:
         runs.append(("colocated_uncapped", 0, uncapped_flags, args.compare_uncapped))
     if args.compare_fixed_cap:
         runs.append(("colocated_fixed_cap", 0, fixed_cap_flags, args.compare_fixed_cap))
+    if args.compare_async_mixed:
+        flags = [*ENGINE_FLAGS, "--async-mixed-steps"]
+        runs.append(("colocated_async_mixed", 0, flags, args.compare_async_mixed))
     if args.compare_decode_graphs_only:
         flags = [*ENGINE_FLAGS, "--compilation-config.cudagraph_mode", "FULL_DECODE_ONLY"]
         runs.append(("colocated_decode_graphs_only", 0, flags, args.compare_decode_graphs_only))
