@@ -1,0 +1,67 @@
+"""`bench/serve_gpu`'s bookkeeping: the metrics endpoints from `tandem serve`'s line, each
+layer's mean TTFT over a point from two scrapes, and the one-line step summary."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import serve_gpu
+from engine.step_trace import KINDS
+
+LOG = [
+    "Tandem is serving m at http://127.0.0.1:8100/v1 (1 prefill, 1 decode)\n",
+    "Metrics: gateway http://127.0.0.1:40001/metrics, prefill 0 http://127.0.0.1:40002/metrics, "
+    "decode 0 http://127.0.0.1:40003/metrics\n",
+]
+
+
+def test_metrics_urls_from_the_serve_line():
+    assert serve_gpu.metrics_urls(LOG) == {
+        "gateway": "http://127.0.0.1:40001/metrics",
+        "prefill 0": "http://127.0.0.1:40002/metrics",
+        "decode 0": "http://127.0.0.1:40003/metrics",
+    }
+
+
+def test_ttft_by_layer_is_the_points_own_mean():
+    """Histogram sums and counts before and after a point: the point's requests only; a
+    process without TTFT observations in the point (a prefill) is left out."""
+    before = {"gateway": (10.0, 100.0), "decode 0": (4.0, 100.0), "prefill 0": (0.0, 0.0)}
+    after = {"gateway": (30.0, 200.0), "decode 0": (9.0, 200.0), "prefill 0": (0.0, 0.0)}
+    got = serve_gpu.ttft_mean_ms_by_layer(before, after, client_mean_ms=250.0)
+    assert got == pytest.approx({"client": 250.0, "gateway": 200.0, "decode 0": 50.0})
+
+
+def test_ttft_totals_parse_a_scrape(monkeypatch):
+    text = (
+        "# TYPE vllm:time_to_first_token_seconds histogram\n"
+        'vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 3.0\n'
+        'vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 4.0\n'
+        'vllm:time_to_first_token_seconds_count{model_name="m"} 4.0\n'
+        'vllm:time_to_first_token_seconds_sum{model_name="m"} 0.5\n'
+        "# TYPE vllm:e2e_request_latency_seconds histogram\n"
+        'vllm:e2e_request_latency_seconds_count{model_name="m"} 9.0\n'
+        'vllm:e2e_request_latency_seconds_sum{model_name="m"} 7.0\n'
+    )
+
+    class Resp:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read(self) -> bytes:
+            return text.encode()
+
+    monkeypatch.setattr(serve_gpu.urllib.request, "urlopen", lambda url, timeout: Resp())
+    assert serve_gpu.ttft_totals({"gateway": "http://x/metrics"}) == {"gateway": (0.5, 4.0)}
+
+
+def test_steps_line_names_every_kind():
+    st = {"engine_steps": 12, "step_s": 1.5, "gpu_idle_between_steps_s": 0.25}
+    for i, kind in enumerate(KINDS):
+        st[kind] = {"steps": i + 1, "mean_seqs": 8.0, "mean_tokens": 100.0, "gpu_span_s": 0.5}
+    line = serve_gpu.steps_line(st)
+    assert line.startswith("steps 12 step_s 1.5 gpu_idle 0.25s")
+    assert all(f"{kind}={i + 1}x8seq/100tok/0.5s" in line for i, kind in enumerate(KINDS))
