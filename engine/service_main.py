@@ -214,16 +214,33 @@ async def run_service(
             logger.info("Step trace written to %s/%s.json", trace_dir, instance_id)
 
 
+# A signal to a whole process group (Ctrl-C in a terminal, systemd's stop) reaches a service
+# together with the SIGTERM `tandem serve` forwards to it: one stop, not "again".
+SAME_STOP_S = 2.0
+
+
 def _drain_on_signals() -> asyncio.Event:
-    """SIGTERM / SIGINT start a drain; a second one kills the process (default action)."""
+    """SIGTERM / SIGINT start a drain; another one more than `SAME_STOP_S` later kills the
+    process (the default action); one sooner is the same stop, arriving twice."""
     loop = asyncio.get_running_loop()
     drain = asyncio.Event()
+    first: list[float] = []
 
     def on_signal(signum: int) -> None:
-        logger.info("%s: draining; send it again to stop at once", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if not first:
+            first.append(time.monotonic())
+            logger.info("%s: draining; send it again to stop at once", name)
+            drain.set()
+            return
+        if time.monotonic() - first[0] < SAME_STOP_S:
+            logger.info("%s: already draining (it came with the first signal)", name)
+            return
+        logger.warning("%s again: stopping at once, without draining", name)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-        drain.set()
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)  # the default action: the process ends here
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)

@@ -7,10 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
+import threading
 
 import grpc
+import httpx
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -113,3 +117,98 @@ def test_sigterm_drains_a_decode_without_losing_its_stream(
         if service.proc.poll() is None:
             service.proc.kill()
             service.proc.wait()
+
+
+def test_a_signal_to_the_whole_group_still_drains(tiny_qwen3_path):
+    """Ctrl-C in a terminal (SIGINT) or systemd's stop (SIGTERM) reaches every process of
+    `tandem serve`'s group, and the launcher then forwards SIGTERM to each child: a service
+    must take those two as one stop and drain, not as "again: stop at once". A stream in
+    flight ends with all its tokens; everything exits."""
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", str(tiny_qwen3_path), *ENGINE_FLAGS]
+    serve = subprocess.Popen(
+        [*cmd, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own group, as a shell job or a systemd unit has
+    )
+    lines: list[str] = []
+    url: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in serve.stdout:
+            lines.append(line)
+            if m := re.match(r"^Tandem is serving .* at (http://\S+/v1)", line):
+                url.append(m.group(1))
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(START_S) and url, "".join(lines[-40:])
+        body = {"model": str(tiny_qwen3_path), "prompt": "one two three", "max_tokens": 200,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        texts, finish, before_signal = [], None, None
+        with httpx.stream("POST", f"{url[0]}/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                assert "error" not in event, (event, "".join(lines[-60:]))
+                choice = event["choices"][0]
+                texts.append(choice["text"])
+                finish = choice.get("finish_reason") or finish
+                if before_signal is None:
+                    before_signal = len(texts)
+                    os.killpg(serve.pid, signal.SIGINT)  # the terminal's Ctrl-C
+        assert before_signal is not None and before_signal < len(texts), "tokens after it"
+        assert finish == "length", ("".join(lines[-60:]), texts[-3:])
+        assert serve.wait(60) == 0
+        log = "".join(lines)
+        assert "stop at once" not in log.replace("send it again to stop at once", "")
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait()
+
+
+_SIGNALS_SCRIPT = """
+import asyncio, logging, sys
+from engine import service_main
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+service_main.SAME_STOP_S = float(sys.argv[1])
+
+async def main():
+    drain = service_main._drain_on_signals()
+    print("READY", flush=True)
+    await drain.wait()
+    print("DRAINING", flush=True)
+    await asyncio.Event().wait()  # a drain that takes its time
+
+asyncio.run(main())
+"""
+
+
+def test_a_second_signal_later_stops_at_once_and_a_doubled_one_does_not():
+    """The window that makes one stop of a group's signal and the launcher's: a second signal
+    inside it is logged and ignored (the drain goes on); one after it ends the process at once
+    (SAME_STOP_S set to 60 s and to 0 here, instead of waiting for 2 s to pass)."""
+    doubled = LineProc([sys.executable, "-c", _SIGNALS_SCRIPT, "60"])
+    later = LineProc([sys.executable, "-c", _SIGNALS_SCRIPT, "0"])
+    try:
+        for proc in (doubled, later):
+            proc.wait_for("^READY$", START_S)
+            proc.proc.send_signal(signal.SIGINT)
+            proc.wait_for("^DRAINING$", 30)
+            proc.proc.send_signal(signal.SIGTERM)
+        doubled.wait_for(r"SIGTERM: already draining", 30)
+        assert doubled.proc.poll() is None
+        assert later.proc.wait(30) == -signal.SIGTERM
+        later.wait_for(r"SIGTERM again: stopping at once, without draining", 5)
+    finally:
+        for proc in (doubled, later):
+            if proc.proc.poll() is None:
+                proc.proc.kill()
+                proc.proc.wait()
