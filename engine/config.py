@@ -183,6 +183,9 @@ class SchedulerConfig:
     # With async scheduling: launch steps with prompt chunks ahead too (greedy rows, no prompt
     # logprobs), admitting new requests while a step runs. Off until measured on a GPU.
     async_mixed_steps: bool = False
+    # With async scheduling: launch steps whose rows sample at random (temperature, top-p/k,
+    # min-p, seeds; no penalties, logit bias or logprobs) ahead too. Off until measured.
+    async_sampling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -384,6 +387,7 @@ class EngineConfig:
         prefill_backlog_steps: int = 0,
         async_scheduling: bool | None = None,
         async_mixed_steps: bool = False,
+        async_sampling: bool = False,
         load_format: str = "auto",
         enforce_eager: bool = False,
         cudagraph_mode: str = "FULL_AND_PIECEWISE",
@@ -459,6 +463,7 @@ class EngineConfig:
             prefill_backlog_steps=prefill_backlog_steps,
             async_scheduling=async_scheduling,
             async_mixed_steps=async_mixed_steps,
+            async_sampling=async_sampling,
         )
         return cls(
             model_config, cache_config, scheduler_config, device, structured_outputs, speculative

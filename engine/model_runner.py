@@ -33,8 +33,10 @@ from engine.sampler import (
     SamplingBatch,
     compute_prompt_logprobs,
     is_argmax_only,
+    is_async_samplable,
     is_plain_greedy,
 )
+from engine.sampling_params import SAMPLING_EPS
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode import num_accepted, sampling_batch
 from engine.weights import iter_safetensors_weights
@@ -318,6 +320,13 @@ class ModelRunner:
     def async_mixed_steps(self) -> bool:
         return self.async_scheduling and self.config.scheduler.async_mixed_steps
 
+    def _launchable(self, r: Request) -> bool:
+        """A row a launched step can sample on the device: an argmax (under a grammar, of
+        the masked logits), or with `async_sampling` any `Sampler.draw` row."""
+        if self.config.scheduler.async_sampling:
+            return is_async_samplable(r.sampling_params, r.num_output_tokens)
+        return is_argmax_only(r.sampling_params, r.num_output_tokens)
+
     def can_launch_async(self, sched: SchedulerOutput) -> bool:
         """A batch `launch_decode` can take: one new token per row, sampling that is an argmax
         of the logits (the graphs' argmax, or under a grammar the argmax of the masked logits;
@@ -331,17 +340,15 @@ class ModelRunner:
             if self.graphs is not None and num_sampled > self.graphs.last_tokens.numel():
                 return False
             return self.async_mixed_steps and all(
-                is_plain_greedy(s.request.sampling_params, s.request.num_output_tokens)
+                self._launchable(s.request)
+                and s.request.sampling_params.structured_outputs is None
                 and s.request.sampling_params.prompt_logprobs is None
                 and not s.draft_token_ids
                 for s in sched.scheduled
             )
         if self.graphs is not None and self.graphs.graph_size(len(sched.scheduled)) is None:
             return False
-        return all(
-            is_argmax_only(s.request.sampling_params, s.request.num_output_tokens)
-            for s in sched.scheduled
-        )
+        return all(self._launchable(s.request) for s in sched.scheduled)
 
     @torch.inference_mode()
     def launch_decode(
@@ -404,40 +411,52 @@ class ModelRunner:
         ]
         max_q = max(s.num_new_tokens for s in sched.scheduled)
         last = [qsl[i + 1] - 1 for i in ends]
+        sampled = [reqs[i] for i in ends]
         if self.graphs is None:  # CPU, enforce_eager: run now, as `launch_decode` does
             known = prev.tokens() if src else []
             for t, j in src:
                 ids[t] = known[j]
             hidden = self._run_eager(ids, pos, slots, qsl, seq_lens, tables, max_q)
             logits = self.model.compute_logits(hidden[last])
-            step.cpu_tokens = logits.argmax(dim=-1).tolist()
+            step.cpu_tokens = self._device_tokens(logits, sampled).tolist()
             return step
         hidden, extra = self._run_eager(
             ids, pos, slots, qsl, seq_lens, tables, max_q, src=src, extra=last
         )
         logits = self.model.compute_logits(hidden[extra])
         n = len(ends)
-        torch.argmax(logits, dim=-1, out=self.graphs.last_tokens[:n])
+        self.graphs.last_tokens[:n].copy_(self._device_tokens(logits, sampled))
         step.tokens_host, step.event = self.graphs.read_tokens_of_eager_step(n)
         return step
+
+    def _device_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """A launched step's tokens, still on the device: the argmax, or `Sampler.draw` when
+        a row samples at random."""
+        if all(r.sampling_params.temperature < SAMPLING_EPS for r in reqs):
+            return logits.argmax(dim=-1)
+        params, generators = [r.sampling_params for r in reqs], [r.generator for r in reqs]
+        return self.sampler.draw(logits, params, generators)
 
     @torch.inference_mode()
     def launch_sampling(self, step: LaunchedStep) -> None:
         """Sample a step `launch_decode` left at its logits: mask the rows whose grammar
         constrains their next token (the matchers as they are now: they must have taken the
-        previous step's tokens), then argmax. Rows of finished requests (wasted rows) are not
-        masked. With graphs the masked tokens go to `last_tokens`, where the next replay reads
+        previous step's tokens), then argmax, or `Sampler.draw` when a row samples at random
+        (`async_sampling`). Rows of finished requests (wasted rows) are not masked. With graphs the masked tokens go to `last_tokens`, where the next replay reads
         its input ids; the host reads them with `step.tokens()`."""
         assert not step.is_sampled, "sampled twice"
         logits, step.logits = step.logits, None
         reqs = [r for r, _ in step.rows]
         is_masked = self._apply_grammars(reqs, logits)
         self.num_async_grammar_steps += is_masked
+        is_random = any(r.sampling_params.temperature >= SAMPLING_EPS for r in reqs)
         if self.graphs is None:
-            step.cpu_tokens = logits.argmax(dim=-1).tolist()
+            step.cpu_tokens = self._device_tokens(logits, reqs).tolist()
             return
         n = len(reqs)
-        if is_masked:  # else the graph's own argmax stands
+        if is_random:
+            self.graphs.last_tokens[:n].copy_(self._device_tokens(logits, reqs))
+        elif is_masked:  # else the graph's own argmax stands
             torch.argmax(logits, dim=-1, out=self.graphs.last_tokens[:n])
         step.tokens_host, step.event = self.graphs.read_tokens(n)
 

@@ -96,33 +96,52 @@ class Sampler:
         logits = apply_min_tokens(logits, batch)
         logits = apply_penalties(logits, batch)
 
-        is_greedy = [p.temperature < SAMPLING_EPS for p in batch.params]
-        token_ids = logits.argmax(dim=-1)
         states = [None] * batch.num_rows if batch.record_generator_states else None
-        if not all(is_greedy):
-            probs = torch.softmax(apply_sampling_filters(logits, batch.params), dim=-1)
-            sampled = exponential_race(probs, batch.generators, is_greedy, states)
-            greedy_mask = torch.tensor(is_greedy, device=logits.device)
-            token_ids = torch.where(greedy_mask, token_ids, sampled)
-
+        token_ids = _draw(logits, batch.params, batch.generators, states)
         token_id_list = token_ids.tolist()
         if raw_logprobs is None:
             return SamplerOutput(token_id_list, [None] * batch.num_rows, states)
         logprobs = _gather_logprobs(raw_logprobs, token_ids, num_logprobs)
         return SamplerOutput(token_id_list, logprobs, states)
 
+    def draw(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list
+    ) -> torch.Tensor:
+        """The tokens of rows that need nothing from the host's token history (each
+        `is_async_samplable`), as a device tensor, without waiting for the device: what
+        `__call__` would sample for them, draw for draw (async scheduling reads it later)."""
+        return _draw(logits.to(torch.float32, copy=True), params, generators, None)
 
-def is_argmax_only(p: SamplingParams, num_output_tokens: int) -> bool:
-    """The sampler's work for this row is an argmax of the logits it is given."""
+
+def _draw(logits, params, generators, states) -> torch.Tensor:
+    """Greedy rows: the argmax; random rows: temperature, min_p, top_k, top_p, then the
+    exponential race. `logits` fp32, already biased and penalized; changed in place."""
+    is_greedy = [p.temperature < SAMPLING_EPS for p in params]
+    token_ids = logits.argmax(dim=-1)
+    if not all(is_greedy):
+        probs = torch.softmax(apply_sampling_filters(logits, params), dim=-1)
+        sampled = exponential_race(probs, generators, is_greedy, states)
+        greedy_mask = _on_device(is_greedy, torch.bool, logits.device)
+        token_ids = torch.where(greedy_mask, token_ids, sampled)
+    return token_ids
+
+
+def is_async_samplable(p: SamplingParams, num_output_tokens: int) -> bool:
+    """The sampler's work for this row needs no token history and returns no logprobs: no
+    penalties, logit bias or pending min_tokens (`Sampler.draw` can sample it on the device)."""
     return (
-        p.temperature < SAMPLING_EPS
-        and p.logprobs is None
+        p.logprobs is None
         and p.repetition_penalty == 1.0
         and p.frequency_penalty == 0.0
         and p.presence_penalty == 0.0
         and not p.logit_bias
         and num_output_tokens >= p.min_tokens
     )
+
+
+def is_argmax_only(p: SamplingParams, num_output_tokens: int) -> bool:
+    """The sampler's work for this row is an argmax of the logits it is given."""
+    return p.temperature < SAMPLING_EPS and is_async_samplable(p, num_output_tokens)
 
 
 def is_plain_greedy(p: SamplingParams, num_output_tokens: int) -> bool:
@@ -205,7 +224,7 @@ def apply_sampling_filters(logits: torch.Tensor, params: list[SamplingParams]) -
         top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         logits = apply_top_k_top_p(
             logits,
-            torch.tensor(top_k, device=logits.device) if use_top_k else None,
+            _on_device(top_k, torch.int64, logits.device) if use_top_k else None,
             _row_tensor([p.top_p for p in params], logits).squeeze(1) if use_top_p else None,
         )
     return logits
@@ -341,4 +360,14 @@ def _token_counts(
 
 def _row_tensor(values: list[float], like: torch.Tensor) -> torch.Tensor:
     """A per-row scalar as a [num_rows, 1] column that broadcasts over the vocab."""
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+    return _on_device(values, like.dtype, like.device).unsqueeze(1)
+
+
+def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` on `device` without waiting for it: a plain `torch.tensor(..., device=cuda)`
+    synchronizes the stream (the forward of a step launched ahead); a pinned copy does not
+    (the caching host allocator keeps the buffer until the copy is done)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -185,6 +185,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "yet measured on a GPU)",
     )
     parser.add_argument(
+        "--async-sampling",
+        action="store_true",
+        help="with async scheduling, also launch steps whose rows sample at random "
+        "(temperature, top-p/top-k/min-p, seeds; no penalties, logit bias or logprobs) ahead "
+        "(experimental: not yet measured on a GPU)",
+    )
+    parser.add_argument(
         "--structured-outputs-config.backend",
         dest="structured_outputs_backend",
         type=_structured_outputs_backend,
@@ -250,6 +257,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cudagraph_mode=getattr(args, "cudagraph_mode", "FULL_AND_PIECEWISE"),
         async_scheduling=args.async_scheduling,
         async_mixed_steps=args.async_mixed_steps,
+        async_sampling=args.async_sampling,
         structured_outputs_config=StructuredOutputsConfig(
             backend=getattr(args, "structured_outputs_backend", "auto")
         ),

@@ -463,3 +463,58 @@ def test_mixed_steps_gather_inputs_on_the_device(tiny_qwen3_path):
     assert [g.outputs[0].token_ids for g in got] == [e.outputs[0].token_ids for e in expect]
     assert graphs.num_reads == len(launches) >= 5
     assert any(from_prev for _, from_prev in launches), "a decode row took prev's token"
+
+
+# ---- rows that sample at random, launched ahead (`async_sampling`) ----------------------------
+def _sampled_params(sync: LLM) -> list[SamplingParams]:
+    """Seeded rows through every filter, a greedy row beside them, a stop on a token the seeded
+    run really samples, and a penalized row (which keeps its steps in sync)."""
+    seeded = dict(temperature=0.9, ignore_eos=True)
+    probe = sync.generate([PROMPTS[0]], SamplingParams(max_tokens=8, seed=11, **seeded))
+    stop = probe[0].outputs[0].token_ids[5]
+    return [
+        SamplingParams(max_tokens=8, seed=11, stop_token_ids=[stop], **seeded),
+        SamplingParams(max_tokens=20, seed=12, top_p=0.8, top_k=30, **seeded),
+        SamplingParams(max_tokens=14, seed=13, min_p=0.05, temperature=0.7, ignore_eos=True),
+        SamplingParams(max_tokens=17, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=6, seed=14, min_tokens=3, **seeded),
+        SamplingParams(max_tokens=25, seed=15, top_k=5, **seeded),
+    ]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU_ONLY)])
+@pytest.mark.parametrize("mixed", [False, True], ids=["decode_steps", "mixed_steps_too"])
+def test_seeded_sampling_launched_ahead_same_tokens(tiny_qwen3_path, device, mixed):
+    """Seeded sampled rows give the synchronous engine's tokens, draw for draw, when their
+    steps are launched ahead (`Sampler.draw` on the device after the step before is read),
+    and with mixed steps launched ahead too; sampled rows did go through the launched path."""
+    sync = _mixed_llm(tiny_qwen3_path, False, device)
+    kw = dict(max_num_seqs=3, max_num_batched_tokens=24, dtype="float32", device=device)
+    if device == "cuda":
+        kw.update(max_model_len=256, num_gpu_blocks_override=128)
+    asyn = LLM(
+        str(tiny_qwen3_path),
+        async_scheduling=True,
+        async_mixed_steps=mixed,
+        async_sampling=True,
+        **kw,
+    )
+    runner, drawn = asyn.engine.runner, []
+    draw = runner.sampler.draw
+
+    def counted(logits, params, generators):
+        drawn.append(sum(p.temperature > 0 for p in params))
+        return draw(logits, params, generators)
+
+    runner.sampler.draw = counted
+    params = _sampled_params(sync)
+    prompts = PROMPTS + [[p + 90 for p in prompt] for prompt in PROMPTS]
+    expect = sync.generate(prompts, params + params)
+    got = asyn.generate(prompts, params + params)
+    for e, g in zip(expect, got):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        assert g.outputs[0].finish_reason == e.outputs[0].finish_reason
+    assert expect[0].outputs[0].finish_reason == "stop"
+    assert len(drawn) >= 10 and max(drawn) >= 2, "sampled rows were launched ahead"
+    assert not asyn.engine.has_unfinished_requests()
+    assert asyn.engine.kv.req_to_blocks == {}
