@@ -41,6 +41,9 @@ ENGINE_FLAGS = [
 ]  # fmt: skip
 
 
+BENCH_FLAGS: list[str] = []  # more `tandem bench serve` flags for every point (--bench-flags)
+
+
 def offline_tok_s(path: Path, n: int) -> tuple[float, dict]:
     """The offline engine's output tok/s on this workload, and its steps' `summarize`."""
     code = (
@@ -225,7 +228,7 @@ def bench_point(
         str(concurrency), "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
         "--save-result", "--result-dir", str(out_dir), "--result-filename", name,
-        "--save-detailed",
+        "--save-detailed", *BENCH_FLAGS,
     ]  # fmt: skip
     t = time.monotonic()
     subprocess.run(cmd, check=True, timeout=POINT_TIMEOUT_S, capture_output=True, text=True)
@@ -287,6 +290,16 @@ def main() -> None:
         "(modes['colocated_fixed_cap']), e.g. 256",
     )  # fmt: skip
     ap.add_argument(
+        "--bench-flags", default="",
+        help="more `tandem bench serve` flags for every point, e.g. --bench-flags='--temperature "
+        "0.8 --top-p 0.95' (sampled traffic; the offline job stays greedy)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--compare-async-sampling", default="",
+        help="concurrencies to run again on a colocated server with --async-sampling "
+        "(modes['colocated_async_sampling']), e.g. 256 with --bench-flags '--temperature 0.8'",
+    )  # fmt: skip
+    ap.add_argument(
         "--compare-async-mixed", default="",
         help="concurrencies to run again on a colocated server with --async-mixed-steps "
         "(modes['colocated_async_mixed']), e.g. 256",
@@ -304,6 +317,7 @@ def main() -> None:
             ["--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
         )
     ENGINE_FLAGS.extend(args.gateway_flags.split())
+    BENCH_FLAGS.extend(args.bench_flags.split())
     uncapped_flags = list(ENGINE_FLAGS)
     if args.max_prefill_tokens_while_decoding:
         ENGINE_FLAGS.extend(
@@ -321,6 +335,9 @@ def main() -> None:
         runs.append(("colocated_uncapped", 0, uncapped_flags, args.compare_uncapped))
     if args.compare_fixed_cap:
         runs.append(("colocated_fixed_cap", 0, fixed_cap_flags, args.compare_fixed_cap))
+    if args.compare_async_sampling:
+        flags = [*ENGINE_FLAGS, "--async-sampling"]
+        runs.append(("colocated_async_sampling", 0, flags, args.compare_async_sampling))
     if args.compare_async_mixed:
         flags = [*ENGINE_FLAGS, "--async-mixed-steps"]
         runs.append(("colocated_async_mixed", 0, flags, args.compare_async_mixed))
@@ -402,7 +419,8 @@ def main() -> None:
     config = {"model_shape": "qwen3-8b", "engine_flags": ENGINE_FLAGS,
               "uncapped_engine_flags": uncapped_flags if args.compare_uncapped else None,
               "fixed_cap_engine_flags": fixed_cap_flags if args.compare_fixed_cap else None,
-              "num_prompts": args.num_prompts, "input_len": 512, "output_len": 128}  # fmt: skip
+              "num_prompts": args.num_prompts, "input_len": 512, "output_len": 128,
+              "bench_flags": BENCH_FLAGS}  # fmt: skip
     summary = {"offline_output_tok_s": offline, "offline_steps": offline_steps, "modes": modes}
     path = write_result("serve_gpu", config, summary, out_dir)
     path.write_text(json.dumps({**summary, **json.loads(path.read_text())}, indent=2) + "\n")
