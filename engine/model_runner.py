@@ -442,8 +442,9 @@ class ModelRunner:
         """Sample a step `launch_decode` left at its logits: mask the rows whose grammar
         constrains their next token (the matchers as they are now: they must have taken the
         previous step's tokens), then argmax, or `Sampler.draw` when a row samples at random
-        (`async_sampling`). Rows of finished requests (wasted rows) are not masked. With graphs the masked tokens go to `last_tokens`, where the next replay reads
-        its input ids; the host reads them with `step.tokens()`."""
+        (`async_sampling`). Rows of finished requests (wasted rows) are not masked. With graphs
+        the tokens go to `last_tokens`, where the next replay reads its input ids; the host
+        reads them with `step.tokens()`."""
         assert not step.is_sampled, "sampled twice"
         logits, step.logits = step.logits, None
         reqs = [r for r, _ in step.rows]
