@@ -117,18 +117,21 @@ def metrics_urls(log: list[str]) -> dict[str, str]:
     return {name: url for name, url in pairs}
 
 
-def ttft_totals(urls: dict[str, str]) -> dict[str, tuple[float, float]]:
-    """Each process's `vllm:time_to_first_token_seconds` histogram: (sum s, count). The
-    gateway's runs from its request's arrival to its first chunk, a service's from its gRPC
-    call to its first token; the client's own TTFT includes both, so the differences are each
-    layer's share."""
+TTFT, E2E = "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"
+
+
+def ttft_totals(urls: dict[str, str], metric: str = TTFT) -> dict[str, tuple[float, float]]:
+    """Each process's `metric` histogram (TTFT: `vllm:time_to_first_token_seconds`): (sum s,
+    count). The gateway's TTFT runs from its request's arrival to its first chunk, a service's
+    from its gRPC call to its first token; the client's own TTFT includes both, so the
+    differences are each layer's share. (E2E: the gateway's, to the last byte.)"""
     out = {}
     for name, url in urls.items():
         with urllib.request.urlopen(url, timeout=10) as resp:
             text = resp.read().decode()
         total, count = 0.0, 0.0
         for family in text_string_to_metric_families(text):
-            if family.name != "vllm:time_to_first_token_seconds":
+            if family.name != metric:
                 continue
             for sample in family.samples:
                 if sample.name.endswith("_sum"):
@@ -210,7 +213,11 @@ def steps_line(st: dict) -> str:
         for k in KINDS
     )
     idle = st.get("gpu_idle_between_steps_s", 0.0)
-    return f"steps {st['engine_steps']} step_s {st['step_s']:.1f} gpu_idle {idle:.2f}s {kinds}"
+    inside = f"running {st.get('mean_running', 0):.0f} waiting {st.get('mean_waiting', 0):.0f}"
+    return (
+        f"steps {st['engine_steps']} step_s {st['step_s']:.1f} gpu_idle {idle:.2f}s {inside} "
+        f"{kinds}"
+    )
 
 
 def bench_point(
@@ -380,7 +387,7 @@ def main() -> None:
                 gw = gateway_pid(proc)
                 for seed, c in enumerate(map(int, concurrencies.split(","))):
                     cpu0 = process_cpu_s(gw) if gw else float("nan")
-                    ttft0 = ttft_totals(urls)
+                    ttft0, e2e0 = ttft_totals(urls), ttft_totals(urls, E2E)
                     t0 = time.perf_counter()
                     r = bench_point(path, port, c, args.num_prompts, out_dir, label, seed)
                     windows[str(c)] = (t0, time.perf_counter())
@@ -388,6 +395,12 @@ def main() -> None:
                     p["ttft_mean_ms_by_layer"] = ttft_mean_ms_by_layer(
                         ttft0, ttft_totals(urls), r["mean_ttft_ms"]
                     )
+                    p["e2e_mean_ms_by_layer"] = ttft_mean_ms_by_layer(
+                        e2e0, ttft_totals(urls, E2E), r["mean_e2el_ms"]
+                    )
+                    # With each service's mean requests in the engine (its steps below), the
+                    # time a request spends inside it (Little's law): the rest is transit.
+                    p["requests_per_s"] = r["completed"] / r["duration"]
                     # The gateway's CPU over the point (its one process: busy near 1 = saturated)
                     gw_cpu_s = (process_cpu_s(gw) if gw else float("nan")) - cpu0
                     p["gateway_cpu_fraction"] = gw_cpu_s / r["duration"]

@@ -30,7 +30,8 @@ class StepTrace:
         self.cuda = core.runner.device.type == "cuda"
         # (kind, sequences, tokens, host start, host s, start event, end event)
         self.calls: list[tuple[str, int, int, float, float, Any, Any]] = []
-        self.steps: list[tuple[float, float, float]] = []  # (host start, step s, schedule s)
+        # (host start, step s, schedule s, requests running, requests waiting)
+        self.steps: list[tuple[float, float, float, int, int]] = []
         self.dropped = 0
         self._schedule_s = 0.0
 
@@ -64,11 +65,15 @@ class StepTrace:
 
         def traced_step():
             t, self._schedule_s = time.perf_counter(), 0.0
+            # Requests in the engine as the step begins: running (in the batch, decoding or
+            # prefilling) and waiting (queued for a slot or for prefill budget).
+            running, waiting = len(sched.running), len(sched.waiting)
             try:
                 return step()
             finally:
                 if len(self.steps) < MAX_ROWS:
-                    self.steps.append((t, time.perf_counter() - t, self._schedule_s))
+                    row = (t, time.perf_counter() - t, self._schedule_s, running, waiting)
+                    self.steps.append(row)
 
         runner.execute, runner.launch_decode = traced_execute, traced_launch
         runner.launch_mixed = traced_launch_mixed
@@ -121,7 +126,10 @@ class StepTrace:
                 row["gpu_start_ms"] = ref.elapsed_time(e0)
                 row["gpu_end_ms"] = ref.elapsed_time(e1)
             calls.append(row)
-        steps = [{"t": t, "step_s": s, "schedule_s": sc} for t, s, sc in steps]
+        steps = [
+            {"t": t, "step_s": s, "schedule_s": sc, "running": run, "waiting": wait}
+            for t, s, sc, run, wait in steps
+        ]
         return {"calls": calls, "steps": steps, "dropped_calls": self.dropped}
 
     def write(self, path: Path) -> None:
@@ -141,6 +149,10 @@ def summarize(rows: dict, t_from: float = float("-inf"), t_to: float = float("in
     out: dict[str, Any] = {
         "engine_steps": len(steps),
         "step_s": sum(s["step_s"] for s in steps),
+        # Requests in the engine, weighted by each step's time (Little's law against the
+        # request rate gives the time a request spends inside the engine).
+        "mean_running": _time_weighted(steps, "running"),
+        "mean_waiting": _time_weighted(steps, "waiting"),
         "schedule_s": sum(s["schedule_s"] for s in steps),
         "runner_host_s": sum(c["host_s"] for c in calls),
         "dropped_calls": rows.get("dropped_calls", 0),
@@ -168,3 +180,10 @@ def summarize(rows: dict, t_from: float = float("-inf"), t_to: float = float("in
         if calls:
             out["gpu_first_to_last_s"] = (calls[-1]["gpu_end_ms"] - calls[0]["gpu_start_ms"]) / 1e3
     return out
+
+
+def _time_weighted(steps: list[dict], key: str) -> float:
+    total = sum(s["step_s"] for s in steps)
+    if not total or not steps or key not in steps[0]:
+        return 0.0
+    return sum(s[key] * s["step_s"] for s in steps) / total

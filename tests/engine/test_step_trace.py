@@ -32,6 +32,10 @@ def test_trace_counts_every_scheduled_token_once(tiny_qwen3_path, tmp_path):
     assert st["engine_steps"] >= sum(st[k]["steps"] for k in KINDS)
     assert 0 < st["runner_host_s"] <= st["step_s"] and st["schedule_s"] > 0
     assert "gpu_idle_between_steps_s" not in st  # no CUDA events on a CPU engine
+    # Three prompts in three slots: never more than three in the engine, none left waiting
+    # at the end.
+    assert 0 < st["mean_running"] <= len(PROMPTS) and st["mean_waiting"] >= 0
+    assert json.loads(path.read_text())["steps"][-1]["waiting"] == 0
     trace.remove()
     runner = llm.engine.runner
     assert "execute" not in vars(runner) and "step" not in vars(llm.engine)
@@ -54,7 +58,16 @@ def test_summary_idle_gaps_by_kind_and_window():
             _call("decode_only", 1.3, 32.0, 40.0),  # 2 ms idle
             _call("decode_only", 9.0, 1000.0, 1001.0),
         ],
-        "steps": [{"t": 1.0 + 0.1 * i, "step_s": 0.002, "schedule_s": 0.0005} for i in range(4)],
+        "steps": [
+            {
+                "t": 1.0 + 0.1 * i,
+                "step_s": 0.002 * (i + 1),
+                "schedule_s": 0.0005,
+                "running": 4 * (i + 1),
+                "waiting": 3 - i,
+            }  # fmt: skip
+            for i in range(4)
+        ],
         "dropped_calls": 0,
     }
     st = summarize(rows, 0.5, 2.0)
@@ -71,7 +84,10 @@ def test_summary_idle_gaps_by_kind_and_window():
         0.013
     )
     assert st["mixed"]["mean_tokens"] == 104 and st["engine_steps"] == 4
-    assert st["step_s"] == pytest.approx(0.008) and st["schedule_s"] == pytest.approx(0.002)
+    assert st["step_s"] == pytest.approx(0.02) and st["schedule_s"] == pytest.approx(0.002)
+    # weighted by the steps' times 1:2:3:4
+    assert st["mean_running"] == pytest.approx(4 * (1 + 4 + 9 + 16) / 10)
+    assert st["mean_waiting"] == pytest.approx((3 * 1 + 2 * 2 + 1 * 3 + 0 * 4) / 10)
     whole = summarize(rows)
     assert whole["decode_only"]["steps"] == 3
     assert whole["gpu_idle_between_steps_s"] == pytest.approx(0.007 + 0.960)
