@@ -41,6 +41,14 @@ ENGINE_FLAGS = [
 ]  # fmt: skip
 
 
+# --compare-NAME: the concurrencies to run again on a colocated server that differs so
+COMPARES = {
+    "uncapped": "without the prefill cap",
+    "fixed-cap": "without --prefill-backlog-steps",
+    "async-sampling": "with --async-sampling (sampled traffic: --bench-flags='--temperature 0.8')",
+    "async-mixed": "with --async-mixed-steps",
+    "decode-graphs-only": "with CUDA graphs for decode-only steps alone, no piecewise graphs",
+}
 BENCH_FLAGS: list[str] = []  # more `tandem bench serve` flags for every point (--bench-flags)
 
 
@@ -287,35 +295,16 @@ def main() -> None:
         help="extra `tandem serve` flags for its gateway, e.g. '--shed-busy-fraction 0'",
     )  # fmt: skip
     ap.add_argument(
-        "--compare-uncapped", default="",
-        help="concurrencies to run again on a colocated server without the prefill cap "
-        "(modes['colocated_uncapped']), e.g. 64",
-    )  # fmt: skip
-    ap.add_argument(
-        "--compare-fixed-cap", default="",
-        help="concurrencies to run again on a colocated server without --prefill-backlog-steps "
-        "(modes['colocated_fixed_cap']), e.g. 256",
-    )  # fmt: skip
-    ap.add_argument(
         "--bench-flags", default="",
         help="more `tandem bench serve` flags for every point, e.g. --bench-flags='--temperature "
         "0.8 --top-p 0.95' (sampled traffic; the offline job stays greedy)",
     )  # fmt: skip
-    ap.add_argument(
-        "--compare-async-sampling", default="",
-        help="concurrencies to run again on a colocated server with --async-sampling "
-        "(modes['colocated_async_sampling']), e.g. 256 with --bench-flags '--temperature 0.8'",
-    )  # fmt: skip
-    ap.add_argument(
-        "--compare-async-mixed", default="",
-        help="concurrencies to run again on a colocated server with --async-mixed-steps "
-        "(modes['colocated_async_mixed']), e.g. 256",
-    )  # fmt: skip
-    ap.add_argument(
-        "--compare-decode-graphs-only", default="",
-        help="concurrencies to run again on a colocated server with CUDA graphs for decode-only "
-        "steps alone, no piecewise graphs (modes['colocated_decode_graphs_only']), e.g. 64",
-    )  # fmt: skip
+    for name, what in COMPARES.items():
+        ap.add_argument(
+            f"--compare-{name}", default="",
+            help=f"concurrencies to run again on a colocated server {what} "
+            f"(modes['colocated_{name.replace('-', '_')}']), e.g. 256",
+        )  # fmt: skip
     args = ap.parse_args()
     i = ENGINE_FLAGS.index("--max-num-batched-tokens")
     ENGINE_FLAGS[i + 1] = str(args.max_num_batched_tokens)
@@ -338,19 +327,18 @@ def main() -> None:
         mode, _, concurrencies = spec.partition(":")
         concurrencies = concurrencies.replace("+", ",") or args.concurrency
         runs.append((mode, 1 if mode == "pd" else 0, ENGINE_FLAGS, concurrencies))
-    if args.compare_uncapped:
-        runs.append(("colocated_uncapped", 0, uncapped_flags, args.compare_uncapped))
-    if args.compare_fixed_cap:
-        runs.append(("colocated_fixed_cap", 0, fixed_cap_flags, args.compare_fixed_cap))
-    if args.compare_async_sampling:
-        flags = [*ENGINE_FLAGS, "--async-sampling"]
-        runs.append(("colocated_async_sampling", 0, flags, args.compare_async_sampling))
-    if args.compare_async_mixed:
-        flags = [*ENGINE_FLAGS, "--async-mixed-steps"]
-        runs.append(("colocated_async_mixed", 0, flags, args.compare_async_mixed))
-    if args.compare_decode_graphs_only:
-        flags = [*ENGINE_FLAGS, "--compilation-config.cudagraph_mode", "FULL_DECODE_ONLY"]
-        runs.append(("colocated_decode_graphs_only", 0, flags, args.compare_decode_graphs_only))
+    compare_flags = {
+        "uncapped": uncapped_flags,
+        "fixed-cap": fixed_cap_flags,
+        "async-sampling": [*ENGINE_FLAGS, "--async-sampling"],
+        "async-mixed": [*ENGINE_FLAGS, "--async-mixed-steps"],
+        "decode-graphs-only": [*ENGINE_FLAGS, "--compilation-config.cudagraph_mode",
+                               "FULL_DECODE_ONLY"],
+    }  # fmt: skip
+    for name, flags in compare_flags.items():
+        key = name.replace("-", "_")
+        if concurrencies := getattr(args, f"compare_{key}"):
+            runs.append((f"colocated_{key}", 0, flags, concurrencies))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
+import subprocess
+import sys
+import threading
 import time
 
 from engine.internal_auth import internal_channel
@@ -14,6 +17,38 @@ from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from tandem.launcher import Cluster
 
 ENGINE_FLAGS = ["--max-model-len", "256", "--num-gpu-blocks-override", "64"]
+SERVING = re.compile(r"^Tandem is serving .* at (http://\S+/v1)")
+
+
+def start_tandem_serve(
+    model_path, timeout_s: float, **popen
+) -> tuple[subprocess.Popen, str, list[str]]:
+    """`tandem serve MODEL` with ENGINE_FLAGS on a free port, up: (process, its /v1 URL, the
+    output lines, which a thread goes on collecting). `popen`: more Popen arguments."""
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", str(model_path), *ENGINE_FLAGS]
+    proc = subprocess.Popen(
+        [*cmd, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
+    )
+    lines: list[str] = []
+    url: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if m := SERVING.match(line):
+                url.append(m.group(1))
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not (ready.wait(timeout_s) and url):
+        proc.kill()
+        proc.wait()
+        raise AssertionError(
+            f"tandem serve did not start (exit {proc.poll()}):\n" + "".join(lines[-40:])
+        )
+    return proc, url[0], lines
 
 
 def start_services(

@@ -7,11 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
-import subprocess
 import sys
-import threading
 
 import grpc
 import httpx
@@ -22,7 +19,12 @@ from engine.internal_auth import internal_channel
 from engine.registry import INSTANCES_KEY
 from engine.sampling_params import SamplingParams
 from engine.step_trace import KINDS, summarize
-from tests.integration.services import ENGINE_FLAGS, decode_stub, generate_request
+from tests.integration.services import (
+    ENGINE_FLAGS,
+    decode_stub,
+    generate_request,
+    start_tandem_serve,
+)
 from tests.integration.test_supervision import DECODE_SERVICE, START_S, LineProc
 from tests.redis_server import redis_server  # noqa: F401  (the fixture)
 
@@ -124,33 +126,13 @@ def test_a_signal_to_the_whole_group_still_drains(tiny_qwen3_path):
     `tandem serve`'s group, and the launcher then forwards SIGTERM to each child: a service
     must take those two as one stop and drain, not as "again: stop at once". A stream in
     flight ends with all its tokens; everything exits."""
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", str(tiny_qwen3_path), *ENGINE_FLAGS]
-    serve = subprocess.Popen(
-        [*cmd, "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its own group, as a shell job or a systemd unit has
-    )
-    lines: list[str] = []
-    url: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in serve.stdout:
-            lines.append(line)
-            if m := re.match(r"^Tandem is serving .* at (http://\S+/v1)", line):
-                url.append(m.group(1))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    # its own group, as a shell job or a systemd unit has
+    serve, url, lines = start_tandem_serve(tiny_qwen3_path, START_S, start_new_session=True)
     try:
-        assert ready.wait(START_S) and url, "".join(lines[-40:])
         body = {"model": str(tiny_qwen3_path), "prompt": "one two three", "max_tokens": 200,
                 "ignore_eos": True, "stream": True}  # fmt: skip
         texts, finish, before_signal = [], None, None
-        with httpx.stream("POST", f"{url[0]}/completions", json=body, timeout=60) as resp:
+        with httpx.stream("POST", f"{url}/completions", json=body, timeout=60) as resp:
             assert resp.status_code == 200
             for line in resp.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":

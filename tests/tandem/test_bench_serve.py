@@ -6,10 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import re
-import subprocess
-import sys
-import threading
 
 import numpy as np
 import pytest
@@ -26,7 +22,7 @@ from tandem.benchmark.datasets import (
 from tandem.benchmark.metrics import calculate_metrics, parse_goodput
 from tandem.benchmark.runner import LoadPoint, Target, arrival_offsets_s, run_load
 from tandem.cli import main as tandem_main
-from tests.integration.services import ENGINE_FLAGS
+from tests.integration.services import start_tandem_serve
 from tests.tandem.bench_stub import StubServer, StubSession, run_virtual
 
 ALL = ["ttft", "tpot", "itl", "e2el"]
@@ -316,32 +312,14 @@ def test_cli_stops_early_when_the_first_request_cannot_succeed(tmp_path, tiny_qw
 # ---- smoke: a real Tandem --------------------------------------------------------------------
 def test_smoke_against_tandem_serve(tmp_path, tiny_qwen3_path):
     model = str(tiny_qwen3_path)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "serve", model, *ENGINE_FLAGS, "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=child_env(),
-    )
-    url: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:
-            if m := re.match(r"^Tandem is serving .* at (http://\S+/v1)", line):
-                url.append(m.group(1))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    proc, url, _ = start_tandem_serve(model, 180, env=child_env())
     try:
-        assert ready.wait(180) and url, f"tandem serve did not start (exit {proc.poll()})"
         rc = tandem_main(
             [
                 "bench",
                 "serve",
                 "--base-url",
-                url[0],
+                url,
                 "--model",
                 model,
                 "--dataset-name",
