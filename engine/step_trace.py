@@ -1,8 +1,9 @@
 """Per-step timing of an engine: where a serving or offline run's time goes, step by step.
 
 Off by default. `StepTrace(core).install()` wraps the engine's step, its scheduler's `schedule`
-and its runner's `execute` / `launch_decode`; every runner call becomes one row (its kind,
-sequences, tokens, host time) with, on CUDA, two events around the GPU work it enqueues. The
+and its runner's `execute` / `launch_decode` / `launch_mixed`; every runner call becomes one
+row (its kind, sequences, tokens, host time) with, on CUDA, two events around the GPU work it
+enqueues; every step also notes the requests running and waiting as it begins. The
 GPU's idle time between two steps is the gap from one row's end event to the next one's start
 event (zero while the GPU still runs the step before): the host's share of a step that the GPU
 waited for. `summarize` turns rows (live or read back from JSON) into totals over a window.
