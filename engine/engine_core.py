@@ -207,15 +207,13 @@ class EngineCore:
         if sched.is_empty:
             return self._resolve(pending) if pending is not None else []
         if self._fits_async(sched):
-            ends = [s.reaches_end for s in sched.scheduled]  # the rows that sample a token
             if all(s.num_new_tokens == 1 for s in sched.scheduled):
                 launched = self.runner.launch_decode(sched, self.kv, pending)
             else:
                 launched = self.runner.launch_mixed(sched, self.kv, pending)
-            for s, end in zip(sched.scheduled, ends):
-                if end:
-                    s.request.append_output_token(PLACEHOLDER)
-                    s.request.num_placeholders += 1
+            for r, _ in launched.rows:  # the rows that sample a token (not a prompt's chunk)
+                r.append_output_token(PLACEHOLDER)
+                r.num_placeholders += 1
             self.scheduler.update_after_step(sched)
             self._pending = launched
             try:

@@ -398,10 +398,11 @@ class ModelRunner:
         ids, pos, slots, qsl, seq_lens, tables = self._prepare(sched, kv)
         ends = [i for i, s in enumerate(sched.scheduled) if s.reaches_end]
         reqs = [s.request for s in sched.scheduled]
+        sampled = [reqs[i] for i in ends]
         step = LaunchedStep(
-            rows=[(reqs[i], reqs[i].num_output_tokens) for i in ends],
-            row_of={reqs[i].request_id: k for k, i in enumerate(ends)},
-            chunk_ids={r.request_id for r in reqs} - {reqs[i].request_id for i in ends},
+            rows=[(r, r.num_output_tokens) for r in sampled],
+            row_of={r.request_id: k for k, r in enumerate(sampled)},
+            chunk_ids={r.request_id for r in reqs} - {r.request_id for r in sampled},
         )
         # (token index in the batch, prev's row) of each input the host does not know yet
         src = [
@@ -411,7 +412,6 @@ class ModelRunner:
         ]
         max_q = max(s.num_new_tokens for s in sched.scheduled)
         last = [qsl[i + 1] - 1 for i in ends]
-        sampled = [reqs[i] for i in ends]
         if self.graphs is None:  # CPU, enforce_eager: run now, as `launch_decode` does
             known = prev.tokens() if src else []
             for t, j in src:
@@ -430,10 +430,7 @@ class ModelRunner:
         return step
 
     def _device_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """A launched step's tokens, still on the device: the argmax, or `Sampler.draw` when
-        a row samples at random."""
-        if all(r.sampling_params.temperature < SAMPLING_EPS for r in reqs):
-            return logits.argmax(dim=-1)
+        """A launched step's tokens, still on the device (`Sampler.draw`)."""
         params, generators = [r.sampling_params for r in reqs], [r.generator for r in reqs]
         return self.sampler.draw(logits, params, generators)
 

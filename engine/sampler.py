@@ -110,6 +110,8 @@ class Sampler:
         """The tokens of rows that need nothing from the host's token history (each
         `is_async_samplable`), as a device tensor, without waiting for the device: what
         `__call__` would sample for them, draw for draw (async scheduling reads it later)."""
+        if all(p.temperature < SAMPLING_EPS for p in params):
+            return logits.argmax(dim=-1)  # as `__call__`'s fast path: no fp32 copy
         return _draw(logits.to(torch.float32, copy=True), params, generators, None)
 
 
