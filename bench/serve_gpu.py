@@ -128,30 +128,31 @@ def metrics_urls(log: list[str]) -> dict[str, str]:
 TTFT, E2E = "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"
 
 
-def ttft_totals(urls: dict[str, str], metric: str = TTFT) -> dict[str, tuple[float, float]]:
-    """Each process's `metric` histogram (TTFT: `vllm:time_to_first_token_seconds`): (sum s,
-    count). The gateway's TTFT runs from its request's arrival to its first chunk, a service's
-    from its gRPC call to its first token; the client's own TTFT includes both, so the
-    differences are each layer's share. (E2E: the gateway's, to the last byte.)"""
-    out = {}
+def histogram_totals(urls: dict[str, str]) -> dict[str, dict[str, tuple[float, float]]]:
+    """One scrape of each process: {TTFT | E2E: {process: (sum s, count)}}. The gateway's TTFT
+    runs from its request's arrival to its first chunk, a service's from its gRPC call to its
+    first token; the client's own TTFT includes both, so the differences are each layer's
+    share. E2E: the gateway's, to the last byte (the services keep none)."""
+    out: dict[str, dict[str, tuple[float, float]]] = {TTFT: {}, E2E: {}}
     for name, url in urls.items():
         with urllib.request.urlopen(url, timeout=10) as resp:
             text = resp.read().decode()
-        total, count = 0.0, 0.0
         for family in text_string_to_metric_families(text):
-            if family.name != metric:
+            if family.name not in out:
                 continue
+            total, count = 0.0, 0.0
             for sample in family.samples:
                 if sample.name.endswith("_sum"):
                     total += sample.value
                 elif sample.name.endswith("_count"):
                     count += sample.value
-        out[name] = (total, count)
+            out[family.name][name] = (total, count)
     return out
 
 
-def ttft_mean_ms_by_layer(before: dict, after: dict, client_mean_ms: float) -> dict:
-    """Mean TTFT over a point seen by the client and by each process (from two `ttft_totals`)."""
+def mean_ms_by_layer(before: dict, after: dict, client_mean_ms: float) -> dict:
+    """A histogram's mean over a point as the client and each process saw it, from its
+    {process: (sum s, count)} before and after the point."""
     out = {"client": client_mean_ms}
     for name, (total, count) in after.items():
         t0, c0 = before.get(name, (0.0, 0.0))
@@ -375,16 +376,17 @@ def main() -> None:
                 gw = gateway_pid(proc)
                 for seed, c in enumerate(map(int, concurrencies.split(","))):
                     cpu0 = process_cpu_s(gw) if gw else float("nan")
-                    ttft0, e2e0 = ttft_totals(urls), ttft_totals(urls, E2E)
+                    hist0 = histogram_totals(urls)
                     t0 = time.perf_counter()
                     r = bench_point(path, port, c, args.num_prompts, out_dir, label, seed)
                     windows[str(c)] = (t0, time.perf_counter())
                     p = modes[mode][str(c)] = point_figures(r, offline)
-                    p["ttft_mean_ms_by_layer"] = ttft_mean_ms_by_layer(
-                        ttft0, ttft_totals(urls), r["mean_ttft_ms"]
+                    hist1 = histogram_totals(urls)
+                    p["ttft_mean_ms_by_layer"] = mean_ms_by_layer(
+                        hist0[TTFT], hist1[TTFT], r["mean_ttft_ms"]
                     )
-                    p["e2e_mean_ms_by_layer"] = ttft_mean_ms_by_layer(
-                        e2e0, ttft_totals(urls, E2E), r["mean_e2el_ms"]
+                    p["e2e_mean_ms_by_layer"] = mean_ms_by_layer(
+                        hist0[E2E], hist1[E2E], r["mean_e2el_ms"]
                     )
                     # With each service's mean requests in the engine (its steps below), the
                     # time a request spends inside it (Little's law): the rest is transit.

@@ -28,11 +28,11 @@ def test_ttft_by_layer_is_the_points_own_mean():
     process without TTFT observations in the point (a prefill) is left out."""
     before = {"gateway": (10.0, 100.0), "decode 0": (4.0, 100.0), "prefill 0": (0.0, 0.0)}
     after = {"gateway": (30.0, 200.0), "decode 0": (9.0, 200.0), "prefill 0": (0.0, 0.0)}
-    got = serve_gpu.ttft_mean_ms_by_layer(before, after, client_mean_ms=250.0)
+    got = serve_gpu.mean_ms_by_layer(before, after, client_mean_ms=250.0)
     assert got == pytest.approx({"client": 250.0, "gateway": 200.0, "decode 0": 50.0})
 
 
-def test_ttft_totals_parse_a_scrape(monkeypatch):
+def test_histogram_totals_parse_one_scrape(monkeypatch):
     text = (
         "# TYPE vllm:time_to_first_token_seconds histogram\n"
         'vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 3.0\n'
@@ -55,7 +55,10 @@ def test_ttft_totals_parse_a_scrape(monkeypatch):
             return text.encode()
 
     monkeypatch.setattr(serve_gpu.urllib.request, "urlopen", lambda url, timeout: Resp())
-    assert serve_gpu.ttft_totals({"gateway": "http://x/metrics"}) == {"gateway": (0.5, 4.0)}
+    assert serve_gpu.histogram_totals({"gateway": "http://x/metrics"}) == {
+        serve_gpu.TTFT: {"gateway": (0.5, 4.0)},
+        serve_gpu.E2E: {"gateway": (7.0, 9.0)},
+    }
 
 
 def test_steps_line_names_every_kind():
