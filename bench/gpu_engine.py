@@ -47,7 +47,7 @@ VARIANTS = {
     "bf16": {},
     "fp8": {"quantization": "fp8"},
     "kv-fp8": {"kv_cache_dtype": "fp8"},
-    "async-mixed": {"async_mixed_steps": True},  # steps with prompt chunks launched ahead too
+    "sync-mixed": {"async_mixed_steps": False},  # steps with prompt chunks run synchronously
 }
 
 SHAPES = {

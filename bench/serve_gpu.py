@@ -46,7 +46,7 @@ COMPARES = {
     "uncapped": "without the prefill cap",
     "fixed-cap": "without --prefill-backlog-steps",
     "async-sampling": "with --async-sampling (sampled traffic: --bench-flags='--temperature 0.8')",
-    "async-mixed": "with --async-mixed-steps",
+    "sync-mixed": "with --no-async-mixed-steps (steps with prompt chunks run synchronously)",
     "decode-graphs-only": "with CUDA graphs for decode-only steps alone, no piecewise graphs",
 }
 BENCH_FLAGS: list[str] = []  # more `tandem bench serve` flags for every point (--bench-flags)
@@ -332,7 +332,7 @@ def main() -> None:
         "uncapped": uncapped_flags,
         "fixed-cap": fixed_cap_flags,
         "async-sampling": [*ENGINE_FLAGS, "--async-sampling"],
-        "async-mixed": [*ENGINE_FLAGS, "--async-mixed-steps"],
+        "sync-mixed": [*ENGINE_FLAGS, "--no-async-mixed-steps"],
         "decode-graphs-only": [*ENGINE_FLAGS, "--compilation-config.cudagraph_mode",
                                "FULL_DECODE_ONLY"],
     }  # fmt: skip

