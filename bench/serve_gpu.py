@@ -126,14 +126,23 @@ def metrics_urls(log: list[str]) -> dict[str, str]:
 
 
 TTFT, E2E = "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"
+# Parts of the TTFT: the gateway's arrival to ready-for-a-decode, a decode's WAITING time and
+# first-scheduled-to-first-token (vLLM's queue and prefill phases).
+PHASES = {
+    "gateway_prepare": "tandem:request_prepare_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+}
 
 
 def histogram_totals(urls: dict[str, str]) -> dict[str, dict[str, tuple[float, float]]]:
     """One scrape of each process: {TTFT | E2E: {process: (sum s, count)}}. The gateway's TTFT
     runs from its request's arrival to its first chunk, a service's from its gRPC call to its
     first token; the client's own TTFT includes both, so the differences are each layer's
-    share. E2E: the gateway's, to the last byte (the services keep none)."""
+    share. E2E: the gateway's, to the last byte (the services keep none). And each of
+    `PHASES`' histograms where a process has it."""
     out: dict[str, dict[str, tuple[float, float]]] = {TTFT: {}, E2E: {}}
+    out.update({name: {} for name in PHASES.values()})
     for name, url in urls.items():
         with urllib.request.urlopen(url, timeout=10) as resp:
             text = resp.read().decode()
@@ -150,10 +159,10 @@ def histogram_totals(urls: dict[str, str]) -> dict[str, dict[str, tuple[float, f
     return out
 
 
-def mean_ms_by_layer(before: dict, after: dict, client_mean_ms: float) -> dict:
-    """A histogram's mean over a point as the client and each process saw it, from its
-    {process: (sum s, count)} before and after the point."""
-    out = {"client": client_mean_ms}
+def mean_ms_by_layer(before: dict, after: dict, client_mean_ms: float | None) -> dict:
+    """A histogram's mean over a point as the client (unless None) and each process saw it,
+    from its {process: (sum s, count)} before and after the point."""
+    out = {} if client_mean_ms is None else {"client": client_mean_ms}
     for name, (total, count) in after.items():
         t0, c0 = before.get(name, (0.0, 0.0))
         if count > c0:  # a prefill answers no streams: no TTFT of its own
@@ -388,6 +397,10 @@ def main() -> None:
                     p["e2e_mean_ms_by_layer"] = mean_ms_by_layer(
                         hist0[E2E], hist1[E2E], r["mean_e2el_ms"]
                     )
+                    p["ttft_phases_mean_ms"] = {
+                        phase: mean_ms_by_layer(hist0[name], hist1[name], None)
+                        for phase, name in PHASES.items()
+                    }
                     # With each service's mean requests in the engine (its steps below), the
                     # time a request spends inside it (Little's law): the rest is transit.
                     p["requests_per_s"] = r["completed"] / r["duration"]

@@ -34,7 +34,7 @@ from decode_svc.receiver import KVReceiver
 from decode_svc.remote_prefill import RemotePrefill
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.engine_core import EngineCore
-from engine.metrics import INTER_TOKEN_LATENCY, TIME_TO_FIRST_TOKEN
+from engine.metrics import INTER_TOKEN_LATENCY, TIME_TO_FIRST_TOKEN, observe_phases
 from engine.request import Request
 from engine.scheduler import SchedulerFullError
 from engine.service_main import ServiceContext, run_service, service_main, service_parser
@@ -119,6 +119,7 @@ class DecodeServicer(decode_mux.DecodeServicer, Draining):
                     if num_out == 0:
                         timings.prefill_s = now - start
                         TIME_TO_FIRST_TOKEN.observe(now - start)
+                        observe_phases(req, now)
                     elif out.new_token_ids:
                         INTER_TOKEN_LATENCY.observe(now - last)
                     last = now

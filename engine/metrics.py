@@ -46,6 +46,35 @@ INTER_TOKEN_LATENCY = Histogram(
     buckets=_LATENCY_BUCKETS,
     registry=REGISTRY,
 )
+# vLLM's split of a request's time to first token inside the engine: queued (WAITING, until it
+# is first scheduled) and prefill (first scheduled to first token). Observed by the decode
+# service with its first token. After a remote prefill, the request is queued here once its
+# KV is written, and its "prefill" is this decode's step that takes it in; a first token that
+# reached the client before this decode scheduled the request is not observed.
+REQUEST_QUEUE_TIME = Histogram(
+    "vllm:request_queue_time_seconds",
+    "Histogram of time spent in WAITING phase for request.",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+REQUEST_PREFILL_TIME = Histogram(
+    "vllm:request_prefill_time_seconds",
+    "Histogram of time spent in PREFILL phase for request.",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+
+
+def observe_phases(request, first_token_time: float) -> None:
+    """`REQUEST_QUEUE_TIME` and `REQUEST_PREFILL_TIME` of a request whose first token came at
+    `first_token_time` (time.monotonic()), if the scheduler scheduled it before."""
+    scheduled = request.first_scheduled_time
+    if scheduled is None or request.queued_time is None:
+        return
+    REQUEST_QUEUE_TIME.observe(scheduled - request.queued_time)
+    REQUEST_PREFILL_TIME.observe(max(first_token_time - scheduled, 0.0))
+
+
 KV_TRANSFER_SECONDS = Histogram(
     "tandem:kv_transfer_seconds",
     "Prefill start to KV written at the decode side.",

@@ -50,6 +50,10 @@ class Request:
     cache_salt: str | None = None
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    # time.monotonic() when the scheduler first queued it, and first scheduled it (left
+    # WAITING; a preempted request keeps its first): vLLM's queue and prefill phases.
+    queued_time: float | None = None
+    first_scheduled_time: float | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

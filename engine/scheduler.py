@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -135,6 +136,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
         self.requests[request.request_id] = request
+        if request.queued_time is None:
+            request.queued_time = time.monotonic()
         self.waiting.add(request, front=request.num_computed_tokens > 0)
 
     def check_admission(self, request: Request, reserved: Collection[Request] = ()) -> None:
@@ -249,6 +252,8 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new

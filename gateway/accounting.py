@@ -116,7 +116,9 @@ async def metered(
 ) -> Response:
     """Run the request under `ticket` (from `reserve_estimate`); settle it at the end with the
     tokens actually used."""
-    start_s = request.scope.get("state", {}).get("arrival_s", time.perf_counter())
+    now_s = time.perf_counter()
+    start_s = request.scope.get("state", {}).get("arrival_s", now_s)
+    edge.metrics.prepare.labels(edge.metrics.model_name).observe(now_s - start_s)
     meter = _Meter(edge, ticket, builder, start_s)
     try:
         response = await run()

@@ -72,6 +72,14 @@ class GatewayMetrics:
             buckets=_TTFT_BUCKETS,
             registry=r,
         )
+        self.prepare = Histogram(
+            "tandem:request_prepare_seconds",
+            "Arrival at the gateway to the request ready for a decode (body read and parsed, "
+            "quota reserved, prompt templated and tokenized); routing and the decode follow.",
+            ["model_name"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prefill tokens processed.", ["model_name"], registry=r
         )

@@ -7,6 +7,7 @@ raises that bound with the queue, so that a backlog clears in about that many st
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -220,3 +221,34 @@ def test_the_threshold_needs_chunked_prefill_and_is_not_negative():
             enable_chunked_prefill=False,
             max_prefill_tokens_while_decoding=64,
         )
+
+
+def test_queue_and_first_scheduled_times_follow_the_slots(tiny_llama_path):
+    """vLLM's queue phase: a request is stamped when queued and when it first leaves WAITING.
+    With one slot the second request waits for the whole first one, so its queue time spans
+    the first request's steps, while the first was scheduled in its first step."""
+    llm = LLM(str(tiny_llama_path), max_num_seqs=1, async_scheduling=False)
+    core = llm.engine
+    a = Request("a", [5, 6, 7, 8], GREEDY_12, llm.eos_token_ids)
+    b = Request("b", [9, 10, 11], GREEDY_12, llm.eos_token_ids)
+    assert a.queued_time is None and a.first_scheduled_time is None
+    core.add_request(a)
+    core.add_request(b)
+    assert a.queued_time is not None and b.queued_time >= a.queued_time
+    outputs: dict[str, list[int]] = {}
+    a_done = None
+    for _ in range(100):  # bounded: a failure must not hang the suite
+        for o in core.step():
+            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if a_done is None:
+            if len(outputs.get("a", [])) == 1:
+                assert b.first_scheduled_time is None
+            if len(outputs.get("a", [])) == 12:
+                a_done = time.monotonic()
+                assert b.first_scheduled_time is None  # a's slot frees for the next step
+        if not core.has_unfinished_requests():
+            break
+    assert len(outputs["a"]) == len(outputs["b"]) == 12
+    assert a_done < b.first_scheduled_time
+    # b waited while a ran its 12 steps; a was scheduled at its first step.
+    assert b.first_scheduled_time - b.queued_time > a.first_scheduled_time - a.queued_time

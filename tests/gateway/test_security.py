@@ -158,6 +158,26 @@ def test_metrics_only_on_the_internal_port(secured):
     assert f'vllm:request_success_total{{finished_reason="length",model_name="{SERVED_NAME}"}}' in (
         text
     )
+    # The gateway's own part of the TTFT (arrival to ready for a decode), one per request.
+    label = f'{{model_name="{SERVED_NAME}"}}'
+
+    def sample(text: str, name: str) -> float:
+        line = next(x for x in text.splitlines() if x.startswith(name + label + " "))
+        return float(line.rsplit(" ", 1)[1])
+
+    assert [c for c in chat(url, KEY_ALPHA, stream=True)]
+    after = httpx.get(f"http://{host}:{port}/metrics").text
+    grew = {
+        name: sample(after, name) - sample(text, name)
+        for name in (
+            "tandem:request_prepare_seconds_count",
+            "tandem:request_prepare_seconds_sum",
+            "vllm:time_to_first_token_seconds_sum",
+        )
+    }
+    assert grew["tandem:request_prepare_seconds_count"] == 1
+    assert 0 < grew["tandem:request_prepare_seconds_sum"]
+    assert grew["tandem:request_prepare_seconds_sum"] < grew["vllm:time_to_first_token_seconds_sum"]
 
 
 def test_caps_on_n_and_max_tokens(secured, fake):

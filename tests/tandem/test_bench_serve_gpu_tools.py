@@ -42,6 +42,9 @@ def test_histogram_totals_parse_one_scrape(monkeypatch):
         "# TYPE vllm:e2e_request_latency_seconds histogram\n"
         'vllm:e2e_request_latency_seconds_count{model_name="m"} 9.0\n'
         'vllm:e2e_request_latency_seconds_sum{model_name="m"} 7.0\n'
+        "# TYPE vllm:request_queue_time_seconds histogram\n"
+        "vllm:request_queue_time_seconds_count 2.0\n"
+        "vllm:request_queue_time_seconds_sum 0.25\n"
     )
 
     class Resp:
@@ -58,7 +61,11 @@ def test_histogram_totals_parse_one_scrape(monkeypatch):
     assert serve_gpu.histogram_totals({"gateway": "http://x/metrics"}) == {
         serve_gpu.TTFT: {"gateway": (0.5, 4.0)},
         serve_gpu.E2E: {"gateway": (7.0, 9.0)},
+        "vllm:request_queue_time_seconds": {"gateway": (0.25, 2.0)},
+        "vllm:request_prefill_time_seconds": {},
+        "tandem:request_prepare_seconds": {},
     }
+    assert serve_gpu.mean_ms_by_layer({}, {"decode 0": (0.25, 2.0)}, None) == {"decode 0": 125.0}
 
 
 def test_steps_line_names_every_kind():
