@@ -49,6 +49,7 @@ import asyncio
 import json
 import math
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -147,9 +148,33 @@ class HttpPool:
             writer.close()
 
 
+PROMPT_CHARS = 0  # --prompt-chars: a completion of a text prompt this long instead of the chat
+
+
+def prompt_text(num_chars: int) -> str:
+    """Random words (fixed seed), `num_chars` long: text whose tokenizing costs what a real
+    prompt of that length costs (a repeated word would hit the BPE's caches)."""
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words, length = [], 0
+    while length < num_chars:
+        word = "".join(rng.choice(letters) for _ in range(rng.randint(2, 9)))
+        words.append(word)
+        length += len(word) + 1
+    return " ".join(words)[:num_chars]
+
+
 def chat_request(key: str | None) -> bytes:
-    body = json.dumps({"model": SERVED, "messages": MESSAGES, "max_tokens": 4}).encode()
-    head = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    if PROMPT_CHARS:
+        payload = {"model": SERVED, "prompt": prompt_text(PROMPT_CHARS), "max_tokens": 4}
+        path = "/v1/completions"
+    else:
+        payload, path = (
+            {"model": SERVED, "messages": MESSAGES, "max_tokens": 4},
+            "/v1/chat/completions",
+        )
+    body = json.dumps(payload).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
     if key:
         head += f"Authorization: Bearer {key}\r\n"
     head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
@@ -504,8 +529,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--retry-pause-s", type=float, default=20.0)
     p.add_argument("--no-saturation", action="store_true", help="CPU and profile only")
     p.add_argument("--quick", action="store_true", help="short windows: a smoke test")
+    p.add_argument(
+        "--prompt-chars", type=int, default=0,
+        help="send a completion of a random-word prompt this long (0: the 4-token chat)",
+    )  # fmt: skip
     p.add_argument("--serve-fake-decode", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    global PROMPT_CHARS
+    PROMPT_CHARS = args.prompt_chars
     if args.quick:
         args.cpu_s, args.cpu_repeats, args.profile_s = 4.0, 1, min(args.profile_s, 4.0)
         args.window_s, args.probe_s, args.direct_s, args.warmup_s = 4.0, 2.0, 2.0, 0.5
@@ -550,7 +581,13 @@ def main() -> None:
     results["direct"] = {f"{rate:g}": r for rate, r in sorted(bench.direct.items())}
     config = {
         "model": MODEL,
-        "request": "chat.completions, non-streamed, max_tokens=4 (fake decode: 4 tokens)",
+        "prompt_chars": args.prompt_chars,
+        "request": (
+            f"completions of a {args.prompt_chars}-character random-word prompt"
+            if args.prompt_chars
+            else "chat.completions"
+        )
+        + ", non-streamed, max_tokens=4 (fake decode: 4 tokens)",
         "baseline_tree": str(args.baseline_tree) if args.baseline_tree else None,
         "baseline_commit": tree_commit(args.baseline_tree) if args.baseline_tree else None,
         "baseline_hidden_modules": args.baseline_hide,

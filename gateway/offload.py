@@ -17,10 +17,13 @@ worker still finishes in the background (threads cannot be killed); the size bou
 finite.
 
 Small requests skip the pool: a body of at most `INLINE_MAX_BYTES` is parsed, templated (with the
-model's own template) and tokenized on the event loop. That work is ~0.1 ms, bounded by the
-body's size, while each hand-off to a worker and back costs more than the work itself (a worker
-and then the loop woken, the GIL passed between them; bench/gateway_overhead.py measured ~0.5 ms
-of CPU per request for the two hops).
+model's own template) and tokenized on the event loop. For a short chat that work is ~0.1 ms,
+while each hand-off to a worker and back costs more than the work itself (a worker and then the
+loop woken, the GIL passed between them; bench/gateway_overhead.py measured ~0.5 ms of CPU per
+request for the two hops). Text costs more than its JSON: Qwen's BPE takes ~0.4 ms for 1,000
+characters on the 2-core machine, ~1.3 ms for a 512-token prompt (3 KB), so the bound is 1 KiB:
+longer prompts are tokenized in a worker, which releases the GIL while it does
+(preprocess.encode_bounded), so a burst of them no longer queues on the loop's thread.
 """
 
 from __future__ import annotations
@@ -49,9 +52,9 @@ M = TypeVar("M", bound=BaseModel)
 # and every small body, to jiter.
 SCAN_MIN_BYTES = 256 * 1024
 SCAN_MIN_COMMAS = 50_000
-# At most this many bytes of body: prepared inline (see the module docstring). 4 KiB of the
-# smallest messages is ~130 of them, well under a millisecond of pydantic and templating.
-INLINE_MAX_BYTES = 4096
+# At most this many bytes of body: prepared inline (see the module docstring): ~0.4 ms of
+# tokenizing at most, about what the hand-off to a worker would cost.
+INLINE_MAX_BYTES = 1024
 
 
 class Preprocessor:
