@@ -61,6 +61,7 @@ def create_app(
     tests hold gateway/fast_routes.py to)."""
     state = state or build_state(settings)
     shedder = Shedder(settings, state.edge.metrics)
+    state.preprocessor.num_in_flight = lambda: shedder.num_inflight
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

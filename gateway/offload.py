@@ -23,7 +23,10 @@ loop woken, the GIL passed between them; bench/gateway_overhead.py measured ~0.5
 request for the two hops). Text costs more than its JSON: Qwen's BPE takes ~0.4 ms for 1,000
 characters on the 2-core machine, ~1.3 ms for a 512-token prompt (3 KB), so the bound is 1 KiB:
 longer prompts are tokenized in a worker, which releases the GIL while it does
-(preprocess.encode_bounded), so a burst of them no longer queues on the loop's thread.
+(preprocess.encode_bounded), so a burst of them no longer queues on the loop's thread. Up to
+`IDLE_INLINE_MAX_BYTES` a body is still prepared inline while its request is the only one in
+flight in this process (nothing waits behind the loop, and the hand-off would only add CPU
+and latency: +0.77 ms of CPU per 3 KB prompt at 150 req/s, bench/README.md).
 """
 
 from __future__ import annotations
@@ -55,18 +58,29 @@ SCAN_MIN_COMMAS = 50_000
 # At most this many bytes of body: prepared inline (see the module docstring): ~0.4 ms of
 # tokenizing at most, about what the hand-off to a worker would cost.
 INLINE_MAX_BYTES = 1024
+# ... and this many while the process has no other request in flight.
+IDLE_INLINE_MAX_BYTES = 4096
 
 
 class Preprocessor:
-    def __init__(self, num_workers: int, timeout_s: float):
+    def __init__(
+        self, num_workers: int, timeout_s: float, num_in_flight: Callable[[], int] = lambda: 1
+    ):
+        """`num_in_flight`: the requests this process has in flight, this one included (the
+        load shedder's count; the default: always this one alone)."""
         self.timeout_s = timeout_s
+        self.num_in_flight = num_in_flight
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="preprocess")
 
     async def run(self, fn: Callable[..., T], *args: Any, num_bytes: int | None = None) -> T:
         """`fn(*args)` in the pool; a 400 when it takes longer than `timeout_s`. With
         `num_bytes` (the size of the input whose length bounds `fn`'s cost) at most
-        `INLINE_MAX_BYTES`, `fn` runs here instead, on the loop."""
-        if num_bytes is not None and num_bytes <= INLINE_MAX_BYTES:
+        `INLINE_MAX_BYTES`, or `IDLE_INLINE_MAX_BYTES` while no other request is in flight,
+        `fn` runs here instead, on the loop."""
+        if num_bytes is not None and (
+            num_bytes <= INLINE_MAX_BYTES
+            or (num_bytes <= IDLE_INLINE_MAX_BYTES and self.num_in_flight() <= 1)
+        ):
             return fn(*args)
         future = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         try:

@@ -12,14 +12,14 @@ import threading
 import pytest
 from starlette.responses import JSONResponse
 
-from gateway.offload import INLINE_MAX_BYTES, Preprocessor
+from gateway.offload import IDLE_INLINE_MAX_BYTES, INLINE_MAX_BYTES, Preprocessor
 from gateway.preprocess import utf8_len
 from gateway.serving import json_bytes, sse
 
 
 def test_small_inputs_run_on_the_loop_large_ones_in_the_pool():
     async def scenario():
-        pre = Preprocessor(1, timeout_s=5.0)
+        pre = Preprocessor(1, timeout_s=5.0, num_in_flight=lambda: 2)  # others in flight
         here = threading.current_thread().name
         name = threading.current_thread
         try:
@@ -28,6 +28,29 @@ def test_small_inputs_run_on_the_loop_large_ones_in_the_pool():
             big = await pre.run(lambda: name().name, num_bytes=INLINE_MAX_BYTES + 1)
             assert big.startswith("preprocess")
             assert (await pre.run(lambda: name().name)).startswith("preprocess")  # size unknown
+        finally:
+            pre.close()
+
+    asyncio.run(scenario())
+
+
+def test_mid_sized_inputs_run_on_the_loop_only_while_nothing_else_is_in_flight():
+    """Up to IDLE_INLINE_MAX_BYTES, inline when this request is alone (the hand-off would only
+    cost); in the pool once others are in flight (a burst must not queue on the loop)."""
+    in_flight = [1]
+
+    async def scenario():
+        pre = Preprocessor(1, timeout_s=5.0, num_in_flight=lambda: in_flight[0])
+        here = threading.current_thread().name
+        name = threading.current_thread
+        try:
+            assert (await pre.run(lambda: name().name, num_bytes=IDLE_INLINE_MAX_BYTES)) == here
+            over = await pre.run(lambda: name().name, num_bytes=IDLE_INLINE_MAX_BYTES + 1)
+            assert over.startswith("preprocess")
+            in_flight[0] = 2
+            busy = await pre.run(lambda: name().name, num_bytes=INLINE_MAX_BYTES + 1)
+            assert busy.startswith("preprocess")
+            assert (await pre.run(lambda: name().name, num_bytes=INLINE_MAX_BYTES)) == here
         finally:
             pre.close()
 
