@@ -119,7 +119,8 @@ class DecodeServicer(decode_mux.DecodeServicer, Draining):
                     if num_out == 0:
                         timings.prefill_s = now - start
                         TIME_TO_FIRST_TOKEN.observe(now - start)
-                        observe_phases(req, now)
+                        if timings.local_prefill:  # else P sampled it: D's phases race it
+                            observe_phases(req, now)
                     elif out.new_token_ids:
                         INTER_TOKEN_LATENCY.observe(now - last)
                     last = now

@@ -48,9 +48,8 @@ INTER_TOKEN_LATENCY = Histogram(
 )
 # vLLM's split of a request's time to first token inside the engine: queued (WAITING, until it
 # is first scheduled) and prefill (first scheduled to first token). Observed by the decode
-# service with its first token. After a remote prefill, the request is queued here once its
-# KV is written, and its "prefill" is this decode's step that takes it in; a first token that
-# reached the client before this decode scheduled the request is not observed.
+# service with its first token, for the prompts it prefills itself: after a remote prefill
+# the first token is the prefill's, out before this engine schedules the request.
 REQUEST_QUEUE_TIME = Histogram(
     "vllm:request_queue_time_seconds",
     "Histogram of time spent in WAITING phase for request.",
