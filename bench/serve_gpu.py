@@ -45,7 +45,7 @@ ENGINE_FLAGS = [
 COMPARES = {
     "uncapped": "without the prefill cap",
     "fixed-cap": "without --prefill-backlog-steps",
-    "async-sampling": "with --async-sampling (sampled traffic: --bench-flags='--temperature 0.8')",
+    "sync-sampling": "with --no-async-sampling (sampled: --bench-flags='--temperature 0.8')",
     "sync-mixed": "with --no-async-mixed-steps (steps with prompt chunks run synchronously)",
     "decode-graphs-only": "with CUDA graphs for decode-only steps alone, no piecewise graphs",
 }
@@ -340,7 +340,7 @@ def main() -> None:
     compare_flags = {
         "uncapped": uncapped_flags,
         "fixed-cap": fixed_cap_flags,
-        "async-sampling": [*ENGINE_FLAGS, "--async-sampling"],
+        "sync-sampling": [*ENGINE_FLAGS, "--no-async-sampling"],
         "sync-mixed": [*ENGINE_FLAGS, "--no-async-mixed-steps"],
         "decode-graphs-only": [*ENGINE_FLAGS, "--compilation-config.cudagraph_mode",
                                "FULL_DECODE_ONLY"],

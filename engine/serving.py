@@ -186,10 +186,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--async-sampling",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="with async scheduling, also launch steps whose rows sample at random "
-        "(temperature, top-p/top-k/min-p, seeds; no penalties, logit bias or logprobs) ahead "
-        "(experimental: not yet measured on a GPU)",
+        "(temperature, top-p/top-k/min-p, seeds; no penalties, logit bias or logprobs) ahead; "
+        "seeded rows draw the synchronous engine's tokens (default: on)",
     )
     parser.add_argument(
         "--structured-outputs-config.backend",
