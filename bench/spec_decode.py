@@ -21,6 +21,7 @@ scheduling is off under speculation; steps without drafts still replay the graph
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -34,6 +35,11 @@ from engine.request import Request
 from engine.tokenizer import apply_chat_template
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# Qwen3's chat markup without its thinking logic: the dummy shapes' prompts.
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 PASSAGE_FILES = [
     "engine/block_pool.py",
     "engine/kv_cache_manager.py",
@@ -125,6 +131,51 @@ def run_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     }
 
 
+def profile_batch(llm: LLM, prompts: list[list[int]], top: int = 12) -> dict:
+    """A batch of 24 tokens under torch.profiler: per step, the ops with the most host time
+    (self CPU) and the most device time (self CUDA), in ms per engine step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    core, phases = llm.engine, {"schedule": 0.0, "execute": 0.0}
+
+    def timed(name, fn):
+        def wrapped(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                phases[name] += time.perf_counter() - t
+
+        return wrapped
+
+    core.scheduler.schedule = timed("schedule", core.scheduler.schedule)
+    core.runner.execute = timed("execute", core.runner.execute)
+    start = time.perf_counter()
+    try:
+        with profile(activities=acts) as prof:
+            r = run_batch(llm, prompts, 24)
+    finally:
+        del core.scheduler.schedule, core.runner.execute  # the classes' methods again
+    wall = time.perf_counter() - start
+    ev = prof.key_averages()
+    steps = r["num_steps"]
+
+    def rank(attr: str) -> dict:
+        rows = sorted(ev, key=lambda e: getattr(e, attr), reverse=True)[:top]
+        return {e.key[:80]: round(getattr(e, attr) / 1e3 / steps, 4) for e in rows}
+
+    return {
+        "steps": steps,
+        "wall_ms_per_step": round(1e3 * wall / steps, 4),
+        "phase_ms_per_step": {k: round(1e3 * v / steps, 4) for k, v in phases.items()},
+        "host_ms_per_step": rank("self_cpu_time_total"),
+        "device_ms_per_step": rank("self_device_time_total") if torch.cuda.is_available() else {},
+    }
+
+
 def make_llm(model: str, k: int, args, **kw) -> LLM:
     spec = None
     if k:
@@ -168,6 +219,12 @@ def main() -> None:
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each measured batch, one more of 24 tokens under torch.profiler: the ops "
+        "with most host and most device time (into the JSON and printed)",
+    )
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
@@ -186,8 +243,13 @@ def main() -> None:
         args.batch_sizes = [b if b == 1 else min(b, 8) for b in args.batch_sizes]
     elif args.dummy_shape:
         from bench.gpu_engine import make_config_dir
+        from bench.structured_output import qwen3_tokenizer
 
-        model = str(make_config_dir(args.dummy_shape, Path(tmp.name)))
+        path = make_config_dir(args.dummy_shape, Path(tmp.name))
+        tok = qwen3_tokenizer()  # the repeat workload's chat prompts need Qwen3's tokenizer
+        tok.chat_template = CHATML
+        tok.save_pretrained(path)
+        model = str(path)
         kw["load_format"] = "dummy"
 
     rows, results, baseline = [], [], {}
@@ -196,12 +258,18 @@ def main() -> None:
         for name in ("repeat", "random"):
             for bs in args.batch_sizes:
                 prompts = make_prompts(name, llm, bs, args)
-                run_batch(llm, prompts[:1], 4)  # warm-up: shapes, caches
+                # Warm-up, the whole batch: a verify step's kernels compile (Triton
+                # specializations) on the first step of their shape, and one compile inside
+                # the measured batch adds ~10 ms to every request's TPOT.
+                run_batch(llm, prompts, 16)
                 r = run_batch(llm, prompts, args.max_tokens)
                 tokens = r.pop("tokens")
                 base = baseline.setdefault((name, bs), {"tokens": tokens, "tpot_ms": r["tpot_ms"]})
                 r["same_tokens_as_k0"] = tokens == base["tokens"]
                 r["speedup_vs_k0"] = base["tpot_ms"] / r["tpot_ms"]
+                if args.profile:
+                    r["profile"] = profile_batch(llm, prompts)
+                    print(f"{name} batch {bs} K={k}:", json.dumps(r["profile"], indent=1))
                 results.append({"workload": name, "batch_size": bs, "k": k, **r})
                 rows.append(
                     (
