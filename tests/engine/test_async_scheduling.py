@@ -15,6 +15,7 @@ the synchronous engine with the same graphs.
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import jsonschema
@@ -23,6 +24,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.request import PLACEHOLDER, Request
 from engine.sampling_params import StructuredOutputsParams as SO
+from engine.serving import add_engine_args, engine_config_from_args
 from tests.engine import test_structured_output
 from tests.gpu import GPU_ONLY
 
@@ -518,3 +520,25 @@ def test_seeded_sampling_launched_ahead_same_tokens(tiny_qwen3_path, device, mix
     assert len(drawn) >= 10 and max(drawn) >= 2, "sampled rows were launched ahead"
     assert not asyn.engine.has_unfinished_requests()
     assert asyn.engine.kv.req_to_blocks == {}
+
+
+@pytest.mark.parametrize(
+    "flags, mixed, sampling",
+    [
+        ([], True, True),
+        (["--no-async-mixed-steps"], False, True),
+        (["--no-async-sampling"], True, False),
+        (["--no-async-mixed-steps", "--no-async-sampling"], False, False),
+    ],
+)
+def test_launch_ahead_flags_default_on(tiny_qwen3_path, flags, mixed, sampling):
+    """Mixed steps and sampled rows are launched ahead unless turned off (both were measured
+    on the H200 before they became the default), in `tandem serve`'s flags and in `LLM`."""
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    sc = engine_config_from_args(parser.parse_args([str(tiny_qwen3_path), *flags])).scheduler
+    assert (sc.async_mixed_steps, sc.async_sampling) == (mixed, sampling)
+    kw = dict(async_mixed_steps=mixed, async_sampling=sampling) if flags else {}
+    llm = LLM(str(tiny_qwen3_path), max_num_seqs=2, device="cpu", dtype="float32", **kw)
+    sc = llm.engine.config.scheduler
+    assert (sc.async_mixed_steps, sc.async_sampling) == (mixed, sampling)
