@@ -10,8 +10,10 @@ time from its first token to its last over its output tokens - 1 (TPOT; median o
 batch), the drafts' acceptance rate (accepted / drafted tokens), the mean tokens per verify
 step, and whether the greedy tokens equal those of K = 0 (bf16 may flip a near tie).
 
-Verify steps run eagerly (the decode CUDA graphs hold one token per request) and async
-scheduling is off under speculation; steps without drafts still replay the graphs.
+Verify steps run on the piecewise CUDA graphs, attention eagerly between them (the decode
+graphs hold one token per request), and async scheduling is off under speculation; steps
+without drafts still replay the decode graphs. Each batch is warmed up whole first: a verify
+step's kernels compile on the first step of their shape.
 
     python -m bench.spec_decode                         # GPU: SmolLM2-135M-Instruct, real weights
     python -m bench.spec_decode --dummy-shape qwen3-8b  # GPU: Qwen3-8B shape, random weights
