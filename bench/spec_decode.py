@@ -37,11 +37,6 @@ from engine.request import Request
 from engine.tokenizer import apply_chat_template
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
-# Qwen3's chat markup without its thinking logic: the dummy shapes' prompts.
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 PASSAGE_FILES = [
     "engine/block_pool.py",
     "engine/kv_cache_manager.py",
@@ -246,10 +241,11 @@ def main() -> None:
     elif args.dummy_shape:
         from bench.gpu_engine import make_config_dir
         from bench.structured_output import qwen3_tokenizer
+        from tests.fixtures.tiny_models import CHAT_TEMPLATE
 
         path = make_config_dir(args.dummy_shape, Path(tmp.name))
         tok = qwen3_tokenizer()  # the repeat workload's chat prompts need Qwen3's tokenizer
-        tok.chat_template = CHATML
+        tok.chat_template = CHAT_TEMPLATE  # Qwen-style ChatML, as Qwen3 renders a user turn
         tok.save_pretrained(path)
         model = str(path)
         kw["load_format"] = "dummy"
