@@ -16,6 +16,7 @@ import time
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from gateway.auth import Principal, TenantLimits
 from gateway.config import GatewaySettings
@@ -49,16 +50,36 @@ async def _try_reserve(quota: QuotaService, request_id: str) -> Ticket | None:
         return None
 
 
-async def _warm_up(quota: QuotaService, server: RedisServer) -> None:
+async def _warm_up(quota: QuotaService, server: RedisServer, timeout_s: float = 30.0) -> None:
     """What a serving gateway has: the scripts loaded in Redis, several pooled connections (so
-    acquires during a hang are sent at once and run when Redis resumes)."""
+    acquires during a hang are sent at once and run when Redis resumes). On a loaded machine
+    the first calls can outlast the client's timeout and turn the service degraded: this waits
+    until Redis, not memory, decides, so that no scenario starts from the wrong backend."""
     assert quota._client is not None
-    await asyncio.gather(*(quota._client.ping() for _ in range(8)))
-    warm = await asyncio.gather(*(_try_reserve(quota, f"warm-{i}") for i in range(2)))
-    for ticket in warm:
-        assert ticket is not None
-        quota.release(ticket, 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        await _wait_for(lambda: not quota.is_degraded, timeout_s, what="Redis at start")
+        try:
+            await asyncio.gather(*(quota._client.ping() for _ in range(8)))
+            warm = await asyncio.gather(*(_try_reserve(quota, f"warm-{i}") for i in range(2)))
+        except RedisError:  # a ping that timed out: not degraded, but not warm either
+            warm = []
+        for ticket in warm:
+            assert ticket is not None
+            quota.release(ticket, 1)
+        if len(warm) == 2 and not quota.is_degraded:
+            break
+        assert time.monotonic() < deadline, "Redis never answered within the client's timeout"
     await _wait_for_slots(server, 0)
+
+
+async def _within(awaitable, what: str, timeout_s: float = 10.0):
+    """`awaitable`'s result, failing (not hanging) after `timeout_s`: an event a scenario waits
+    on is never set when the service took another path than the one the scenario set up."""
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s)
+    except TimeoutError:
+        pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
 
 
 async def _redis_slots(server: RedisServer) -> int:
@@ -221,13 +242,15 @@ def test_redis_answer_after_the_switch_is_decided_again_by_memory(redis_server):
 
             quota.redis.acquire = gated_acquire
             x = asyncio.create_task(_try_reserve(quota, "x"))
-            await parked.wait()
+            await _within(parked.wait(), "x's acquire to reach Redis")
             redis_server.kill()
             b = await _try_reserve(quota, "b")  # memory counts a: one slot left
             assert b is not None and quota.is_degraded
             redis_server.start()  # empty: it would admit x
             go.set()
-            assert await x is None, "admitted by Redis after memory took over: 3 in flight"
+            assert await _within(x, "x's answer") is None, (
+                "admitted by Redis after memory took over: 3 in flight"
+            )
             await _wait_for(lambda: not quota.is_degraded, what="Redis back")
             assert await _redis_slots(redis_server) == 2  # a and b; x's record is gone
             quota.release(a, 1)
@@ -244,9 +267,10 @@ def test_acquire_cancelled_after_redis_ran_it_leaves_no_slot(redis_server):  # n
     left to its lease (30 s here), it is forgotten at once."""
 
     async def scenario():
-        quota = _service(redis_server)
+        quota = _service(redis_server, redis_timeout_s=5.0)  # the acquire must reach Redis
         await quota.start()
         try:
+            await _warm_up(quota, redis_server)
             assert quota.redis is not None
             ran, real_acquire = asyncio.Event(), quota.redis.acquire
 
@@ -258,11 +282,11 @@ def test_acquire_cancelled_after_redis_ran_it_leaves_no_slot(redis_server):  # n
 
             quota.redis.acquire = acquire_then_hang
             gone = asyncio.create_task(_try_reserve(quota, "gone"))
-            await ran.wait()
+            await _within(ran.wait(), "Redis to run the acquire")
             assert await _redis_slots(redis_server) == 1
             gone.cancel()
             with pytest.raises(asyncio.CancelledError):
-                await gone
+                await _within(gone, "the cancelled request to end")
             quota.redis.acquire = real_acquire
             await _wait_for_slots(redis_server, 0, timeout_s=5.0)
             fresh = [await _try_reserve(quota, f"fresh-{i}") for i in range(MAX_CONCURRENT)]
