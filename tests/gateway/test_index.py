@@ -163,7 +163,7 @@ def test_redis_down_fails_fast_then_recovers(redis_server):  # noqa: F811
 
     async def run():
         client = redis.asyncio.Redis.from_url(
-            redis_server.url, socket_timeout=0.2, socket_connect_timeout=0.2
+            redis_server.url, socket_timeout=1.0, socket_connect_timeout=1.0
         )
         index = RedisBlockIndex(client, retry_s=0.3)
         assert await index.lookup(PROMPT, None, targets("a")) == {"a": 4}

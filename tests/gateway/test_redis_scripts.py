@@ -64,7 +64,7 @@ def test_scripts_run_reload_and_survive_a_restart(redis_server):  # noqa: F811
 
 def test_a_hung_redis_times_out_and_the_next_call_reconnects(redis_server):  # noqa: F811
     async def scenario():
-        lean = LeanScripts(port=redis_server.port, socket_timeout=0.2)
+        lean = LeanScripts(port=redis_server.port, socket_timeout=1.0)
         await lean.run([(ECHO, ["k"], [0, "x"])])
         assert redis_server.proc is not None
         redis_server.proc.send_signal(signal.SIGSTOP)
