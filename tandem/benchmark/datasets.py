@@ -178,7 +178,7 @@ def roundtrip_tokens(tokenizer) -> np.ndarray:
     texts = tokenizer.batch_decode([[t] for t in ids])
     backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer: batch in Rust
     if backend is not None:
-        encoded = [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+        encoded = [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
     else:
         encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
     return np.array([t for t, enc in zip(ids, encoded) if enc == [t]])

@@ -23,6 +23,8 @@ from engine.light_tokenizer import LightTokenizer, UnsupportedTokenizer
 from engine.tokenizer import apply_chat_template
 from engine.tokenizer_files import load_light_tokenizer
 from engine.weights import SMOLLM2_REPO_ID, resolve_model_path
+from gateway.model_info import ModelInfo
+from gateway.preprocess import encode_bounded
 from tests.fixtures.chat_templates import QWEN3_CHAT_TEMPLATE
 
 CORPUS = [
@@ -178,6 +180,9 @@ def test_encode_decode_match(pair, text):
     for add_special_tokens in (True, False):
         ids = ref.encode(text, add_special_tokens=add_special_tokens)
         assert light.encode(text, add_special_tokens=add_special_tokens) == ids
+        for tokenizer in (ref, light):  # the gateway's own call on either kind of tokenizer
+            info = ModelInfo(("m",), "m", tokenizer, 10**6, len(tokenizer), {})
+            assert encode_bounded(info, text, add_special_tokens) == ids
     assert light.build_inputs_with_special_tokens(light.encode(text, False)) == ref.encode(text)
     for skip in (True, False):
         assert light.decode(ids, skip_special_tokens=skip) == ref.decode(
