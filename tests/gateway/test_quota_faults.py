@@ -10,6 +10,7 @@ flight: no phantom slot from a late acquire, none missing for a request admitted
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import signal
 import time
@@ -57,11 +58,12 @@ async def _warm_up(quota: QuotaService, server: RedisServer, timeout_s: float = 
     until Redis, not memory, decides, so that no scenario starts from the wrong backend."""
     assert quota._client is not None
     deadline = time.monotonic() + timeout_s
-    while True:
+    for attempt in itertools.count():  # request ids are never reused, so one per attempt
         await _wait_for(lambda: not quota.is_degraded, timeout_s, what="Redis at start")
         try:
             await asyncio.gather(*(quota._client.ping() for _ in range(8)))
-            warm = await asyncio.gather(*(_try_reserve(quota, f"warm-{i}") for i in range(2)))
+            ids = [f"warm-{attempt}-{i}" for i in range(2)]
+            warm = await asyncio.gather(*(_try_reserve(quota, request_id) for request_id in ids))
         except RedisError:  # a ping that timed out: not degraded, but not warm either
             warm = []
         for ticket in warm:
