@@ -14,7 +14,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _kernel(
+def _silu_and_mul_kernel(
     x_ptr, out_ptr, inter_size, stride_xt, stride_ot,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -39,7 +39,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if num_tokens == 0:
         return out
     block = min(1024, triton.next_power_of_2(inter_size))
-    _kernel[(num_tokens, triton.cdiv(inter_size, block))](
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter_size, block))](
         x, out, inter_size, x.stride(0), out.stride(0), BLOCK=block, num_warps=4
     )
     return out

@@ -13,18 +13,18 @@ to x's dtype. The activations stay unquantized, so the result is closer to the u
 layer than the W8A8 path, not further.
 
 Two kernels:
-- `_gemv_kernel`, up to GEMV_MAX_M rows: one program per (row, BLOCK_N outputs), elementwise
+- `_fp8_gemv_kernel`, up to GEMV_MAX_M rows: one program per (row, BLOCK_N outputs), elementwise
   products of the weight tile and x's slice accumulated in fp32 registers and summed once at
   the end, or across K at every tile (`reduce_each`: fewer registers, more programs per SM);
   no tensor cores, so no shared-memory staging of a 1-row operand. (H200: the
   tensor-core tile at one row reached ~40% of the copy bandwidth, about bf16 cuBLAS's time for
   half the bytes; this kernel 60-85%.)
-- `_kernel` (tensor cores, one [BLOCK_M, BLOCK_N] tile) above that, up to MAX_M rows: each
+- `_fp8_gemm_kernel` (tensor cores, one [BLOCK_M, BLOCK_N] tile) above that, up to MAX_M rows: each
   weight byte is read once. Over the whole of K (SPLIT_K 1) the grid is N / BLOCK_N programs,
   so BLOCK_N must be small to cover the GPU, and then every program re-reads all of x: at 32
   rows x's reads outweigh the weight's (H200, down_proj 12288 -> 4096: 46 us against a 12 us
   floor). With SPLIT_K > 1 the programs also split K, each writing an fp32 partial sum, and
-  `_reduce_kernel` adds the partials, applies scale and bias, and rounds once: wide tiles
+  `_fp8_gemm_reduce_kernel` adds the partials, applies scale and bias, and rounds once: wide tiles
   (few reads of x) and a full grid, for one more launch.
 `Fp8GemmConfig` holds a tile choice; `choose_tiles` times the candidates of both kernels on the
 GPU once per weight shape and M tile (engine/quantization.py `tune_fp8_small_m`,
@@ -44,14 +44,14 @@ from kernels.utils import graph_time_us, num_sms
 
 FP8 = torch.float8_e4m3fn
 MAX_M = 32  # the most rows these kernels are for: decode batches (x's tile fits shared memory)
-# Up to this many rows, `_gemv_kernel`. H200, Qwen3-8B's four projections (bench/fp8_gpu.py):
+# Up to this many rows, `_fp8_gemv_kernel`. H200, Qwen3-8B's four projections (bench/fp8_gpu.py):
 # 59 us a layer at 1 row (bf16 cuBLAS: 102), 94 at 2, 162 at 4, where the tensor-core kernel
 # took ~98 at 8 rows: each further row re-reads the weight (L2 does not catch it).
 GEMV_MAX_M = 2
 
 
 @triton.jit
-def _gemv_kernel(
+def _fp8_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -85,7 +85,7 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _kernel(
+def _fp8_gemm_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, M, N, K,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -111,7 +111,7 @@ def _kernel(
         w = tl.load(w_cols + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
     mn_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K > 1:  # an fp32 partial [SPLIT_K, M, N]; _reduce_kernel finishes
+    if SPLIT_K > 1:  # an fp32 partial [SPLIT_K, M, N]; _fp8_gemm_reduce_kernel finishes
         part = part_ptr + (pid_k * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
         tl.store(part, acc, mask=mn_mask)
     else:
@@ -124,7 +124,7 @@ def _kernel(
 
 
 @triton.jit
-def _reduce_kernel(
+def _fp8_gemm_reduce_kernel(
     part_ptr, scale_ptr, bias_ptr, y_ptr, M, N, stride_ym,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -182,7 +182,7 @@ CANDIDATES = (
     Fp8GemmConfig(128, 128, 8, 3, split_k=8),
     Fp8GemmConfig(32, 256, 4, 4, split_k=4),
 )
-REDUCE_BLOCK = 512  # outputs per program of `_reduce_kernel`
+REDUCE_BLOCK = 512  # outputs per program of `_fp8_gemm_reduce_kernel`
 
 
 def default_gemv_config(n: int, device: torch.device) -> Fp8GemmConfig:
@@ -212,7 +212,7 @@ def fp8_weight_gemm(
 ) -> torch.Tensor:
     """x [M, K] (bf16, fp16 or fp32, M <= MAX_M) times e4m3 `weight` [N, K] with fp32
     `weight_scale` (N values, per output channel) -> [M, N] in x's dtype. `gemv_config` tiles
-    `_gemv_kernel` (M <= GEMV_MAX_M), `config` the tensor-core kernel up to 16 rows (one M tile
+    `_fp8_gemv_kernel` (M <= GEMV_MAX_M), `config` the tensor-core kernel up to 16 rows (one M tile
     of 16), `config_m32` above that (one M tile of 32; `config` when not given)."""
     assert x.dim() == 2 and weight.dim() == 2 and weight.dtype == FP8
     m, k = x.shape
@@ -232,7 +232,7 @@ def fp8_weight_gemm(
     key = tile_keyword(m)
     if key == "gemv_config":
         cfg = gemv_config or default_gemv_config(n, x.device)
-        _gemv_kernel[(m, triton.cdiv(n, cfg.block_n))](
+        _fp8_gemv_kernel[(m, triton.cdiv(n, cfg.block_n))](
             x, weight, scale, bias if bias is not None else scale, out, n, k,
             x.stride(0), weight.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -249,7 +249,7 @@ def fp8_weight_gemm(
         torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     )
     b = bias if bias is not None else scale
-    _kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), split_k)](
+    _fp8_gemm_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), split_k)](
         x, weight, scale, b, out, part, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
@@ -257,7 +257,7 @@ def fp8_weight_gemm(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split_k > 1:
-        _reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK), m)](
+        _fp8_gemm_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK), m)](
             part, scale, b, out, m, n, out.stride(0),
             HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=REDUCE_BLOCK,
         )  # fmt: skip

@@ -39,7 +39,7 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
-def _kernel(
+def _fp8_quant_kernel(
     x_ptr, q_ptr, scale_ptr, n_cols, stride_x, stride_q, fp8_max, min_scale,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -71,7 +71,7 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if rows == 0:
         return q, scale
     block = min(2048, triton.next_power_of_2(cols))
-    _kernel[(rows,)](
+    _fp8_quant_kernel[(rows,)](
         x, q, scale, cols, x.stride(0), q.stride(0), FP8_MAX, MIN_SCALE, BLOCK=block, num_warps=4
     )
     return q, scale

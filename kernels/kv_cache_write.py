@@ -47,7 +47,7 @@ def saturate(x, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _kernel(
+def _kv_cache_write_kernel(
     k_ptr, v_ptr, kv_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kv_blk, stride_kv_kv, stride_kv_tok, stride_kv_h,
@@ -80,7 +80,7 @@ def kv_cache_write(
     assert slot_mapping.is_contiguous()
     if num_tokens == 0:
         return
-    _kernel[(num_tokens,)](
+    _kv_cache_write_kernel[(num_tokens,)](
         k, v, kv_layer, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),

@@ -49,7 +49,7 @@ class DecodeConfig:
 
 
 @triton.jit
-def _kernel(
+def _paged_decode_kernel(
     q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     num_splits,  # programs along axis 2: the most partitions a sequence may use
@@ -140,7 +140,7 @@ def _partition_size(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _reduce_kernel(
+def _paged_decode_reduce_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr, seq_lens_ptr, num_splits,
     stride_ps, stride_ph, stride_os, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -261,7 +261,7 @@ def paged_decode_attention(
     else:
         m = l_sum = acc = out  # unused by the single-pass kernel
     block_d = triton.next_power_of_2(head_dim)
-    _kernel[(num_seqs, num_kv_heads, num_splits)](
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, kv_layer, block_tables, seq_lens, out, m, l_sum, acc,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1),
@@ -277,7 +277,7 @@ def paged_decode_attention(
         num_warps=cfg.num_warps, num_stages=num_stages,
     )  # fmt: skip
     if is_split:
-        _reduce_kernel[(num_seqs, num_q_heads)](
+        _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
             m, l_sum, acc, out, seq_lens, num_splits,
             m.stride(0), m.stride(1), out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_P=triton.next_power_of_2(num_splits),

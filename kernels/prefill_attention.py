@@ -75,7 +75,7 @@ def _attn_tiles(
 
 @triton.autotune(configs=_configs(), key=["HEAD_DIM", "GROUP", "BLOCK_SIZE"])
 @triton.jit
-def _kernel(
+def _prefill_attention_kernel(
     q_ptr, kv_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh,
@@ -163,7 +163,7 @@ def prefill_attention(
     def grid(meta: dict) -> tuple[int, int, int]:
         return (num_q_heads, triton.cdiv(max_query_len, meta["BLOCK_M"]), num_seqs)
 
-    _kernel[grid](
+    _prefill_attention_kernel[grid](
         q, kv_layer, block_tables, query_start_loc, seq_lens, out,
         scale * LOG2E,
         q.stride(0), q.stride(1),

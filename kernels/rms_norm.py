@@ -18,7 +18,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _kernel(
+def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, hidden_size, eps,
     stride_xt, stride_rt, stride_ot,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
@@ -46,7 +46,7 @@ def _launch(x, residual, weight, out, eps: float) -> None:
         return
     block = triton.next_power_of_2(hidden_size)
     res = residual if residual is not None else x
-    _kernel[(num_tokens,)](
+    _rms_norm_kernel[(num_tokens,)](
         x, res, weight, out, hidden_size, eps,
         x.stride(0), res.stride(0), out.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK=block,

@@ -49,7 +49,7 @@ def _rope_heads(
 
 
 @triton.jit
-def _kernel(
+def _rotary_kernel(
     positions_ptr, q_ptr, k_ptr, cache_ptr, q_norm_ptr, k_norm_ptr, eps,
     num_q_heads, num_kv_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
     v_ptr, kv_ptr, slot_mapping_ptr, stride_vt, stride_vh,
@@ -145,7 +145,7 @@ def rotary_embedding(
     if num_tokens == 0:
         return q, k
     half = head_dim // 2
-    _kernel[(num_tokens,)](
+    _rotary_kernel[(num_tokens,)](
         positions, q, k, cos_sin_cache,
         q_norm_weight if has_norm else q, k_norm_weight if has_norm else k, eps,
         num_q_heads, num_kv_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1),

@@ -55,26 +55,32 @@ def compile_all() -> None:
             cx = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_N=block_n,
                       BLOCK_D=128, IS_SPLIT=split, DOT_PRECISION=prec,
                       F16_DOTS=f16_dots)  # fmt: skip
-            shared = _compile(decode._kernel, types, cx, num_stages=stages)
+            shared = _compile(decode._paged_decode_kernel, types, cx, num_stages=stages)
             assert shared <= H200_SHARED_BYTES, f"decode {cx} needs {shared} B of shared memory"
     types = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr=bf, seq_lens_ptr="*i32")
     cx = dict(HEAD_DIM=128, BLOCK_N=64, BLOCK_P=64, BLOCK_D=128)
-    _compile(decode._reduce_kernel, types, cx)
+    _compile(decode._paged_decode_reduce_kernel, types, cx)
     for kv in (bf, fp8):
         types = dict(ptrs, q_ptr=bf, kv_ptr=kv, out_ptr=bf, query_start_loc_ptr="*i32")
         for cfg in prefill_attention._configs():
             cx = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_D=128, DOT_PRECISION="tf32",
                       **cfg.kwargs)  # fmt: skip
-            shared = _compile(prefill_attention._kernel, types, cx, cfg.num_warps, cfg.num_stages)
+            shared = _compile(
+                prefill_attention._prefill_attention_kernel,
+                types,
+                cx,
+                cfg.num_warps,
+                cfg.num_stages,
+            )
             assert shared <= H200_SHARED_BYTES, f"prefill {cfg} needs {shared} B of shared memory"
     for kv, fp8_max in ((bf, 0.0), (fp8, 448.0)):
-        _compile(kv_cache_write._kernel,
+        _compile(kv_cache_write._kv_cache_write_kernel,
                  dict(k_ptr=bf, v_ptr=bf, kv_ptr=kv, slot_mapping_ptr="*i64"),
                  dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128,
                       FP8_MAX=fp8_max))  # fmt: skip
     for has_residual in (False, True):
         types = dict(x_ptr=bf, residual_ptr=bf, weight_ptr=bf, out_ptr=bf, eps="fp32")
-        _compile(rms_norm._kernel, types, dict(HAS_RESIDUAL=has_residual, BLOCK=4096), 8)
+        _compile(rms_norm._rms_norm_kernel, types, dict(HAS_RESIDUAL=has_residual, BLOCK=4096), 8)
     for has_norm in (False, True):
         for write_kv, kv, fp8_max in ((False, bf, 0.0), (True, bf, 0.0), (True, fp8, 448.0)):
             types = dict(positions_ptr="*i64", q_ptr=bf, k_ptr=bf, cache_ptr=bf, q_norm_ptr=bf,
@@ -82,27 +88,27 @@ def compile_all() -> None:
                          slot_mapping_ptr="*i64")  # fmt: skip
             cx = dict(HALF=64, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=64, HAS_NORM=has_norm,
                       WRITE_KV=write_kv, BLOCK_SIZE=16, FP8_MAX=fp8_max)  # fmt: skip
-            _compile(rotary._kernel, types, cx)
-    _compile(activation._kernel, dict(x_ptr=bf, out_ptr=bf), dict(BLOCK=1024))
+            _compile(rotary._rotary_kernel, types, cx)
+    _compile(activation._silu_and_mul_kernel, dict(x_ptr=bf, out_ptr=bf), dict(BLOCK=1024))
     # --quantization fp8 at decode sizes: every tile of both kernels (tensor cores: 16 and 32 rows)
     types = dict(x_ptr=bf, w_ptr=fp8, scale_ptr="*fp32", bias_ptr=bf, y_ptr=bf, part_ptr="*fp32")
     for cfg in fp8_gemm.GEMV_CANDIDATES:
         cx = dict(HAS_BIAS=True, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   REDUCE_EACH=cfg.reduce_each)  # fmt: skip
-        _compile(fp8_gemm._gemv_kernel, types, cx, cfg.num_warps, cfg.num_stages)
+        _compile(fp8_gemm._fp8_gemv_kernel, types, cx, cfg.num_warps, cfg.num_stages)
     for cfg in fp8_gemm.CANDIDATES:
         for block_m in (16, fp8_gemm.MAX_M):
             cx = dict(HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                       SPLIT_K=cfg.split_k, DOT_PRECISION="tf32")  # fmt: skip
-            shared = _compile(fp8_gemm._kernel, types, cx, cfg.num_warps, cfg.num_stages)
+            shared = _compile(fp8_gemm._fp8_gemm_kernel, types, cx, cfg.num_warps, cfg.num_stages)
             assert shared <= H200_SHARED_BYTES, f"fp8 gemm {cfg} needs {shared} B of shared memory"
     for split_k in sorted({cfg.split_k for cfg in fp8_gemm.CANDIDATES} - {1}):
         cx = dict(HAS_BIAS=True, SPLIT_K=split_k, BLOCK=fp8_gemm.REDUCE_BLOCK)
-        _compile(fp8_gemm._reduce_kernel, types, cx)
+        _compile(fp8_gemm._fp8_gemm_reduce_kernel, types, cx)
     # --quantization fp8 at prefill sizes: the activations' per-row quantization
     for x in (bf, "*fp32"):
         types = dict(x_ptr=x, q_ptr=fp8, scale_ptr="*fp32", fp8_max="fp32", min_scale="fp32")
-        _compile(fp8_quant._kernel, types, dict(BLOCK=2048))
+        _compile(fp8_quant._fp8_quant_kernel, types, dict(BLOCK=2048))
 
 
 def test_kernels_compile_for_sm90():

@@ -145,7 +145,7 @@ def test_fp8_linear_is_weight_only_up_to_max_m_then_w8a8():
 @pytest.mark.parametrize("m", [GEMV_MAX_M + 1, 17, MAX_M])
 def test_split_k_partials_sum_to_the_same_product(m, monkeypatch):
     """A tile split along K: 10 K tiles over 4 splits (3, 3, 3, 1 tiles: uneven, the last
-    short and masked), fp32 partials added by `_reduce_kernel`, scale and bias applied once
+    short and masked), fp32 partials added by `_fp8_gemm_reduce_kernel`, scale and bias applied once
     there. `config_m32` tiles only above 16 rows, `config` up to 16: the reduce runs exactly
     when the split tile is the one the rows select."""
     dev = test_device()
@@ -154,14 +154,14 @@ def test_split_k_partials_sum_to_the_same_product(m, monkeypatch):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(10)).to(dev)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(11)).to(dev)
     launches = []
-    real = fp8_gemm._reduce_kernel
+    real = fp8_gemm._fp8_gemm_reduce_kernel
 
     class Counting:
         def __getitem__(self, grid):
             launches.append(grid)
             return real[grid]
 
-    monkeypatch.setattr(fp8_gemm, "_reduce_kernel", Counting())
+    monkeypatch.setattr(fp8_gemm, "_fp8_gemm_reduce_kernel", Counting())
     split = Fp8GemmConfig(16, 32, 4, 2, split_k=4)
     whole = Fp8GemmConfig(16, 32, 4, 2)
     for b in (None, bias):
