@@ -135,6 +135,22 @@ def test_key_file_errors_name_lines_not_keys(tmp_path, line, message):
     assert KEY_ALPHA not in str(info.value)
 
 
+def test_many_keys_each_find_their_tenant(tmp_path):
+    """A key file of thousands of keys (a multi-tenant gateway): every key finds its own tenant,
+    a key one character off finds nothing, and a duplicate of the first key on the last line is
+    refused by that line's number."""
+    keys = [f"sk-{i:06d}-{'x' * 24}" for i in range(5000)]
+    path = tmp_path / "keys"
+    path.write_text("".join(f"{key}:tenant{i}\n" for i, key in enumerate(keys)))
+    store = KeyStore.from_settings(GatewaySettings(model="m", api_keys_file=path))
+    for i, key in enumerate(keys):
+        assert store.authenticate(key.encode()).tenant == f"tenant{i}"
+        assert store.authenticate(key[:-1].encode() + b"y") is None
+    path.write_text(path.read_text() + f"{keys[0]}:other\n")
+    with pytest.raises(ValueError, match="line 5001: duplicate key"):
+        KeyStore.from_settings(GatewaySettings(model="m", api_keys_file=path))
+
+
 def test_keys_never_come_from_argv_or_reprs(monkeypatch):
     with pytest.raises(SystemExit):
         parse_args(["--model", "m", "--api-keys", KEY_ALPHA])
