@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import platform
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,13 @@ def machine_info() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return info
+
+
+def free_port() -> int:
+    """A loopback TCP port free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def process_cpu_s(pid: int) -> float:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,19 +33,13 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `bench`, `gateway`, `protos` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import ensure_internal_token, print_table, write_result  # noqa: E402
+from bench.common import ensure_internal_token, free_port, print_table, write_result  # noqa: E402
 from bench.gateway_overhead import start  # noqa: E402
 
 ensure_internal_token()
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TARGET_START_S, TARGET_RSS_MB = 3.0, 200.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def status_kb(pid: int, field: str) -> int:

@@ -22,13 +22,12 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench.common import print_table, process_cpu_s, write_result
+from bench.common import free_port, print_table, process_cpu_s, write_result
 from bench.gateway_overhead import HttpPool, chat_request, open_loop
 
 RESPONSE = (
@@ -59,12 +58,6 @@ async def app(scope, receive, send):
             break
     await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
     await send({"type": "http.response.body", "body": RESPONSE})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _commands(port: int) -> dict[str, list[str]]:
@@ -141,14 +134,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
-    commands = _commands(_free_port())
+    commands = _commands(0)  # which servers are installed
     if "granian" not in commands:
         print("granian is not installed: measuring uvicorn only (pip install granian)")
     servers = {}
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     try:
         for name in commands:
-            port = _free_port()
+            port = free_port()
             cmd = _commands(port)[name]
             proc = subprocess.Popen(cmd, env=env, start_new_session=True)
             servers[name] = (proc, port)
