@@ -34,6 +34,7 @@ def compile_all() -> None:
         activation,
         fp8_gemm,
         fp8_quant,
+        gemv,
         kv_cache_write,
         prefill_attention,
         rms_norm,
@@ -105,6 +106,16 @@ def compile_all() -> None:
     for split_k in sorted({cfg.split_k for cfg in fp8_gemm.CANDIDATES} - {1}):
         cx = dict(HAS_BIAS=True, SPLIT_K=split_k, BLOCK=fp8_gemm.REDUCE_BLOCK)
         _compile(fp8_gemm._fp8_gemm_reduce_kernel, types, cx)
+    # batch-1 decode GEMMs with their prologues (kernels/gemv.py): every candidate tile
+    types = dict(x_ptr=bf, res_ptr=bf, res_out_ptr=bf, gamma_ptr=bf, w_ptr=bf, bias_ptr=bf,
+                 y_ptr=bf, eps="fp32")  # fmt: skip
+    for prologue, has_residual in ((gemv.NONE, False), (gemv.RMS_NORM, False),
+                                   (gemv.RMS_NORM, True), (gemv.SILU_MUL, False)):  # fmt: skip
+        for cfg in gemv.CANDIDATES:
+            cx = dict(PROLOGUE=prologue, HAS_RESIDUAL=has_residual, HAS_BIAS=False,
+                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                      REDUCE_EACH=cfg.reduce_each)  # fmt: skip
+            _compile(gemv._gemv_kernel, types, cx, cfg.num_warps, cfg.num_stages)
     # --quantization fp8 at prefill sizes: the activations' per-row quantization
     for x in (bf, "*fp32"):
         types = dict(x_ptr=x, q_ptr=fp8, scale_ptr="*fp32", fp8_max="fp32", min_scale="fp32")
