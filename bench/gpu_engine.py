@@ -48,6 +48,7 @@ VARIANTS = {
     "fp8": {"quantization": "fp8"},
     "kv-fp8": {"kv_cache_dtype": "fp8"},
     "sync-mixed": {"async_mixed_steps": False},  # steps with prompt chunks run synchronously
+    "fused-decode": {"fused_decode": True},  # batch-1 GEMVs with norm/act folded in, merge folded
 }
 
 SHAPES = {
@@ -200,6 +201,7 @@ def bench_model(name: str, path: Path, ceil: dict, args, **llm_kwargs) -> dict:
     t = time.perf_counter()
     llm = dummy_llm(path, **llm_kwargs)
     res: dict = {"init_s": time.perf_counter() - t}  # with FP8 weights: their tile tuning
+    res["decode_gemv"] = getattr(llm.engine.runner, "gemv_report", None)  # us per layer
     kv_tok = llm.config.kv_bytes_per_token()
     wb, n_params = weight_bytes(llm), param_count(llm)
     res["weight_GB"] = wb / 1e9
@@ -234,7 +236,7 @@ def bench_model(name: str, path: Path, ceil: dict, args, **llm_kwargs) -> dict:
     del llm
     _free_gpu()
     if name == "qwen3-8b":
-        for cfg in args.offline_configs.split(","):
+        for cfg in filter(None, args.offline_configs.split(",")):
             max_seqs, max_tokens = (int(x) for x in cfg.split(":"))
             for freeze in (False, True) if args.gc_freeze else (False,):
                 key = f"offline_{max_seqs}_{max_tokens}" + ("_gc_freeze" if freeze else "")

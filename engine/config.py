@@ -65,6 +65,12 @@ class ModelConfig:
     # vLLM's compilation_config.cudagraph_mode, the two modes this engine has: whole-model
     # graphs for decode-only steps, plus piecewise ones (all but attention) for the others.
     cudagraph_mode: str = "FULL_AND_PIECEWISE"
+    # Fewer kernels per small-batch decode step (issue: batch 1 is launch-bound): batch-1 graphs
+    # run the projections on kernels/gemv.py's GEMVs (norm / SiLU-mul folded in, no split-K
+    # reduce) wherever a start-up timing finds them faster than cuBLAS, and split decode
+    # attention merges its partitions in the last partition's program (no merge kernel).
+    # Off until measured on the GPU (bench/README.md).
+    fused_decode: bool = False
     # The HF generation_config.json contents, or {} when `generation_config="vllm"`.
     generation_config: dict[str, Any] = field(default_factory=dict)
     tokenizer: str | None = None
@@ -394,6 +400,7 @@ class EngineConfig:
         load_format: str = "auto",
         enforce_eager: bool = False,
         cudagraph_mode: str = "FULL_AND_PIECEWISE",
+        fused_decode: bool = False,
         generation_config: str = "auto",
         device: str = "auto",
         seed: int = 0,
@@ -440,6 +447,7 @@ class EngineConfig:
             load_format=load_format,
             enforce_eager=enforce_eager,
             cudagraph_mode=cudagraph_mode,
+            fused_decode=fused_decode,
             generation_config=gen_cfg,
             tokenizer=tokenizer,
             seed=seed,

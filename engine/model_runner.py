@@ -108,7 +108,8 @@ class ModelRunner:
             return TorchPagedAttention()
         from engine.attention_triton import TritonPagedAttention
 
-        return TritonPagedAttention(static_max_seq_len=self.config.model.max_model_len)
+        mc = self.config.model
+        return TritonPagedAttention(static_max_seq_len=mc.max_model_len, fold_merge=mc.fused_decode)
 
     # ---- startup -------------------------------------------------------------------------
     def init_model(self) -> None:
@@ -253,6 +254,11 @@ class ModelRunner:
         padded = {k: v for k, v in tune_small_m(self.model).items() if v["pad"]}
         if padded:
             logger.info("Small-batch GEMMs padded to 8 rows where cuBLAS is faster: %s", padded)
+        if mc.fused_decode:
+            from engine.models.layers import tune_gemv
+
+            self.gemv_report = tune_gemv(self.model)
+            logger.info("Batch-1 decode GEMVs (kernels/gemv.py) vs cuBLAS: %s", self.gemv_report)
         if mc.quantization == "fp8":
             from engine.quantization import tune_fp8_small_m
 

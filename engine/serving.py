@@ -178,6 +178,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="overlap scheduling with the GPU in steady greedy decode (default: with graphs)",
     )
     parser.add_argument(
+        "--fused-decode",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="fewer kernels per small-batch decode step: batch-1 projections on GEMV kernels "
+        "with the RMSNorm / SiLU-mul folded in where a start-up timing finds them faster than "
+        "cuBLAS, and split decode attention merged without a second kernel (default: off)",
+    )
+    parser.add_argument(
         "--async-mixed-steps",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -255,6 +263,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        fused_decode=args.fused_decode,
         cudagraph_mode=getattr(args, "cudagraph_mode", "FULL_AND_PIECEWISE"),
         async_scheduling=args.async_scheduling,
         async_mixed_steps=args.async_mixed_steps,

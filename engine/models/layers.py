@@ -17,6 +17,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from engine.attention import AttentionBackend, AttentionMetadata
 from kernels.utils import graph_time_us
 
+# Decode steps of this many rows run the fused GEMVs where `tune_gemv` set them: it times one
+# row (the kernel takes up to kernels.gemv.MAX_M, but each further row streams the weight again).
+GEMV_ROWS = 1
+
 
 class Linear(nn.Linear):
     """nn.Linear that can pad a few-row input up to `pad_rows_to` rows before the GEMM.
@@ -27,10 +31,18 @@ class Linear(nn.Linear):
     where it pays."""
 
     pad_rows_to: int = 0
+    # Up to kernels.gemv.MAX_M rows: this layer's GEMM, with the op before it folded in (the
+    # RMSNorm before qkv/gate_up, the SiLU-mul before down), as kernels/gemv.py's kernel with
+    # this tile. Set by `tune_gemv` where it measured faster than cuBLAS plus that op.
+    gemv_config = None
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`out`: write the result there (a CUDA graph's static buffer) without a copy."""
         m = x.shape[0]
+        if self.gemv_config is not None and out is None and 0 < m <= GEMV_ROWS:
+            from kernels.gemv import gemv
+
+            return gemv(x, self.weight, self.bias, config=self.gemv_config)
         if 0 < m < self.pad_rows_to:
             y = F.linear(F.pad(x, (0, 0, 0, self.pad_rows_to - m)), self.weight, self.bias)[:m]
             return y if out is None else out.copy_(y)
@@ -69,6 +81,83 @@ def tune_small_m(model: nn.Module, rows: int = 8, min_gain: float = 0.15) -> dic
             mod.pad_rows_to = pad
         report[f"{shape[0]}x{shape[1]}"] = {"m1_us": times[0], "padded_us": times[1], "pad": pad}
     return report
+
+
+@torch.inference_mode()
+def tune_gemv(model: nn.Module, min_gain: float = 0.05) -> dict:
+    """CUDA: for each of a decoder layer's four projections, time at one row what the batch-1
+    step runs today (the separate RMSNorm / SiLU-mul kernel, then cuBLAS as `tune_small_m` left
+    it) against kernels/gemv.py's fused form at each candidate tile, over every layer's own
+    weights in one CUDA graph (so they stream from HBM, as in a step, not from L2). Where the
+    best tile is at least `min_gain` faster, every layer's projection takes it
+    (`Linear.gemv_config`). Returns the timings per projection (us per layer)."""
+    from kernels.activation import silu_and_mul
+    from kernels.gemv import CANDIDATES, gemv, rms_norm_gemv, silu_mul_gemv
+    from kernels.rms_norm import fused_add_rms_norm
+
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    if not layers or not all(isinstance(lin, Linear) for lin in _projections(layers[0])):
+        return {}
+    first = layers[0]
+    dev, dt = first.mlp.down_proj.weight.device, first.mlp.down_proj.weight.dtype
+    hidden = first.input_layernorm.weight.shape[0]
+    x = torch.randn(1, hidden, device=dev, dtype=dt)
+    res = torch.randn(1, hidden, device=dev, dtype=dt)
+    attn_out = torch.randn(1, first.self_attn.q_size, device=dev, dtype=dt)
+    gate_up = torch.randn(1, 2 * first.mlp.intermediate_size, device=dev, dtype=dt)
+
+    def today(name, layer):
+        lin, norm = getattr_path(layer, name), _norm_before(layer, name)
+        if norm is not None:
+            return lambda: lin(fused_add_rms_norm(x, res, norm.weight, norm.eps)[0])
+        return lambda: lin(silu_and_mul(gate_up) if name == "mlp.down_proj" else attn_out)
+
+    def fused(name, layer, cfg):
+        lin, norm = getattr_path(layer, name), _norm_before(layer, name)
+        if norm is not None:
+            return lambda: rms_norm_gemv(x, norm.weight, norm.eps, lin.weight, lin.bias, res, cfg)
+        if name == "mlp.down_proj":
+            return lambda: silu_mul_gemv(gate_up, lin.weight, lin.bias, cfg)
+        return lambda: gemv(attn_out, lin.weight, lin.bias, config=cfg)
+
+    def per_layer_us(fns) -> float:
+        return graph_time_us(lambda: [f() for f in fns], reps=2, replays=5) / len(fns)
+
+    report = {}
+    for name in PROJECTIONS:
+        for layer in layers:
+            getattr_path(layer, name).gemv_config = None
+        base = per_layer_us([today(name, layer) for layer in layers])
+        times = {
+            cfg: per_layer_us([fused(name, layer, cfg) for layer in layers]) for cfg in CANDIDATES
+        }
+        best = min(times, key=times.get)
+        use = times[best] < (1 - min_gain) * base
+        for layer in layers:
+            getattr_path(layer, name).gemv_config = best if use else None
+            layer.gemv = any(lin.gemv_config is not None for lin in _projections(layer))
+        report[name] = {"today_us": base, "gemv_us": times[best],
+                        "tile": f"{best.block_n}x{best.block_k}", "fused": use}  # fmt: skip
+    return report
+
+
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def getattr_path(obj, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _projections(layer) -> list:
+    return [getattr_path(layer, name) for name in PROJECTIONS]
+
+
+def _norm_before(layer, name: str):
+    """The RMSNorm a projection's fused form folds in (None: o_proj, down_proj)."""
+    return {"self_attn.qkv_proj": layer.input_layernorm,
+            "mlp.gate_up_proj": layer.post_attention_layernorm}.get(name)  # fmt: skip
 
 
 class RMSNorm(nn.Module):
@@ -151,9 +240,13 @@ class Attention(nn.Module):
         """The fused path up to attention: qkv_proj (into `out` if given), then one kernel for
         the q/k norms, RoPE and the K/V store at `slot_mapping` (< 0: no store). Returns the
         q, k, v views [T, heads, head_dim] of the qkv rows."""
+        qkv = self.qkv_proj(x) if out is None else linear_into(self.qkv_proj, x, out)
+        return self.rope_store(qkv, positions, cos_sin_cache, kv_layer, slot_mapping)
+
+    def rope_store(self, qkv, positions, cos_sin_cache, kv_layer, slot_mapping):
+        """One kernel on the qkv rows: q/k norms, RoPE, the K/V store. Returns q, k, v views."""
         from kernels.rotary import rotary_embedding
 
-        qkv = self.qkv_proj(x) if out is None else linear_into(self.qkv_proj, x, out)
         q, k, v = self.split_qkv(qkv)
         has_norm = self.q_norm is not None
         rotary_embedding(
@@ -193,12 +286,18 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_fused_act(self.gate_up_proj(x))
+
+    def forward_fused_act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down_proj(SiLU-and-mul kernel of the gate_up rows)."""
         from kernels.activation import silu_and_mul
 
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
+    gemv: bool = False  # some projection has a GEMV tile (`tune_gemv`)
+
     def __init__(self, config: PretrainedConfig, head_dim: int, qk_norm: bool):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -217,9 +316,33 @@ class DecoderLayer(nn.Module):
     def forward_fused(self, x, residual, positions, cos_sin_cache, kv_layer, meta, backend):
         """CUDA, vLLM-style: the residual add is fused into the next RMSNorm. Returns
         (x, residual) with the layer's output = x + residual."""
+        if self.gemv and x.shape[0] <= GEMV_ROWS:
+            return self._forward_gemv(
+                x, residual, positions, cos_sin_cache, kv_layer, meta, backend
+            )
         x, residual = self.input_norm_fused(x, residual)
         x = self.self_attn.forward_fused(x, positions, cos_sin_cache, kv_layer, meta, backend)
         return self.mlp_fused(x, residual)
+
+    def _forward_gemv(self, x, residual, positions, cos_sin_cache, kv_layer, meta, backend):
+        """Batch 1 (GEMV_ROWS): each projection that `tune_gemv` gave a GEMV tile
+        folds in the op before it (kernels/gemv.py), the others run as in `forward_fused`.
+        The residual is a new tensor where a norm is folded in (the GEMV's inputs stay
+        unwritten), in place otherwise."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = _norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
+        q, k, v = attn.rope_store(qkv, positions, cos_sin_cache, kv_layer, meta.slot_mapping)
+        o = backend.forward(q, k, v, kv_layer, meta, attn.scale, kv_written=True)
+        x = attn.o_proj(o.reshape(-1, attn.q_size))
+        gate_up, residual = _norm_linear(
+            x, residual, self.post_attention_layernorm, mlp.gate_up_proj
+        )
+        down = mlp.down_proj
+        if down.gemv_config is None:
+            return mlp.forward_fused_act(gate_up), residual
+        from kernels.gemv import silu_mul_gemv
+
+        return silu_mul_gemv(gate_up, down.weight, down.bias, down.gemv_config), residual
 
     def input_norm_fused(self, x, residual):
         """The fused path before qkv_proj: RMSNorm of x (the first layer: no residual yet, x
@@ -239,3 +362,20 @@ class DecoderLayer(nn.Module):
         norm = self.post_attention_layernorm
         x, residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
         return self.mlp.forward_fused(x), residual
+
+
+def _norm_linear(x, residual, norm: RMSNorm, linear: Linear):
+    """linear(rms_norm(x [+ residual])) and the new residual: in one GEMV kernel where the
+    linear has a tile (`tune_gemv`), else the (fused add +) RMSNorm kernel, then the GEMM."""
+    if linear.gemv_config is not None:
+        from kernels.gemv import rms_norm_gemv
+
+        return rms_norm_gemv(
+            x, norm.weight, norm.eps, linear.weight, linear.bias, residual, linear.gemv_config
+        )
+    from kernels.rms_norm import fused_add_rms_norm, rms_norm
+
+    if residual is None:
+        return linear(rms_norm(x, norm.weight, norm.eps)), x
+    x, residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+    return linear(x), residual

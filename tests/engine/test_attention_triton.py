@@ -136,3 +136,34 @@ def test_engine_fused_model_path_matches_torch_path(tiny_qwen3_path):
     llm.engine.runner.model.use_fused_kernels = True
     for _ in range(2):  # fresh, then prefix hits
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expect
+
+
+def test_engine_batch1_gemv_path_matches_torch_path(tiny_qwen3_path, monkeypatch):
+    """`--fused-decode`, with every projection on kernels/gemv.py's fused forms at decode (as
+    `tune_gemv` sets them where they pay on the GPU) and split attention merged in its last
+    partition: the norms, the residual add and the SiLU-mul folded into the GEMVs still decode
+    the torch path's greedy tokens at batch 1, and batch 2 (not on them) is unchanged."""
+    if test_device().type != "cpu":
+        pytest.skip("the engine picks its own device; this is the CPU interpreter check")
+    import kernels.gemv as gemv_module
+    from engine.models.layers import PROJECTIONS, getattr_path
+
+    prompts, params, expect = _torch_path_greedy(tiny_qwen3_path)
+    llm = LLM(str(tiny_qwen3_path))  # and split attention merged in its last partition
+    llm.engine.runner.attn_backend = TritonPagedAttention(static_max_seq_len=4096, fold_merge=True)
+    model = llm.engine.runner.model
+    model.use_fused_kernels = True
+    for layer in model.layers:
+        for name in PROJECTIONS:
+            getattr_path(layer, name).gemv_config = gemv_module.GemvConfig(8, 32)
+        layer.gemv = True
+    launched = []
+    launch = gemv_module._launch
+    monkeypatch.setattr(
+        gemv_module, "_launch", lambda *a: launched.append((a[0].shape[0], a[4])) or launch(*a)
+    )
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expect
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params)] == expect[:1]
+    prologues = {gemv_module.NONE, gemv_module.RMS_NORM, gemv_module.SILU_MUL}
+    assert {p for m, p in launched if m == 1} == prologues
+    assert all(m == 1 for m, _ in launched)

@@ -50,14 +50,15 @@ def compile_all() -> None:
                                    ("*bf16", fp8, "tf32", True)):  # fmt: skip
         for split in (False, True):
             types = dict(ptrs, q_ptr=dt, kv_ptr=kv, out_ptr=dt, m_ptr="*fp32", l_ptr="*fp32",
-                         acc_ptr="*fp32")  # fmt: skip
+                         acc_ptr="*fp32", count_ptr="*i32")  # fmt: skip
             # The wrapper's defaults: 64-token tiles when split, 128 x 3 stages unsplit.
             block_n, stages = (decode.SPLIT_BLOCK_N, 2) if split else (decode.SINGLE_BLOCK_N, 3)
-            cx = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_N=block_n,
-                      BLOCK_D=128, IS_SPLIT=split, DOT_PRECISION=prec,
-                      F16_DOTS=f16_dots)  # fmt: skip
-            shared = _compile(decode._paged_decode_kernel, types, cx, num_stages=stages)
-            assert shared <= H200_SHARED_BYTES, f"decode {cx} needs {shared} B of shared memory"
+            for fold in (False, True) if split else (False,):
+                cx = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_N=block_n,
+                          BLOCK_D=128, IS_SPLIT=split, DOT_PRECISION=prec,
+                          F16_DOTS=f16_dots, FOLD_MERGE=fold)  # fmt: skip
+                shared = _compile(decode._paged_decode_kernel, types, cx, num_stages=stages)
+                assert shared <= H200_SHARED_BYTES, f"decode {cx} needs {shared} B of shared memory"
     types = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr=bf, seq_lens_ptr="*i32")
     cx = dict(HEAD_DIM=128, BLOCK_N=64, BLOCK_P=64, BLOCK_D=128)
     _compile(decode._paged_decode_reduce_kernel, types, cx)
