@@ -1,11 +1,19 @@
-"""Batch-1 decode GEMMs on the GPU: cuBLAS plus the separate norm / activation kernel against
-kernels/gemv.py's fused forms, per projection and for a layer's four projections together.
+"""`--fused-decode`'s two parts on the GPU, each against what runs without it.
 
-Each projection is timed as one CUDA graph over COPIES distinct weight sets (more bytes than
-the L2 holds, as in a real step, where each layer's weights come from HBM), every candidate
-tile of the GEMV, and cuBLAS both plain and padded to 8 rows (`tune_small_m`'s choice).
+1. Batch-1 projections: cuBLAS plus the separate norm / activation kernel against
+   kernels/gemv.py's fused forms, per projection and for a layer's four together. Each is
+   timed as one CUDA graph over COPIES distinct weight sets (more bytes than the L2 holds, as in
+   a step, where each layer's weights come from HBM), every candidate tile of the GEMV, and
+   cuBLAS both plain and padded to 8 rows (`tune_small_m`'s choice).
+2. Split decode attention: the merge kernel against the merge folded into the last partition's
+   program (`DecodeConfig.fold_merge`), at batch 1 and 8, with the largest difference between
+   the two outputs.
 
-    python -m bench.gemv_gpu [--models qwen3-0.6b,qwen3-8b] [--out-dir DIR]
+    python -m bench.fused_decode_gpu [--models qwen3-0.6b,qwen3-8b] [--out-dir DIR]
+
+The engine-level figure (batch-1 TPOT with and without `--fused-decode`, same run):
+`python -m bench.gpu_engine --models qwen3-0.6b,qwen3-8b --variants bf16,fused-decode
+--skip-hf --offline-configs ""`.
 """
 
 from __future__ import annotations
@@ -19,8 +27,14 @@ import torch.nn.functional as F
 from bench.common import print_table, write_result
 from kernels.activation import silu_and_mul
 from kernels.gemv import CANDIDATES, gemv, rms_norm_gemv, silu_mul_gemv
+from kernels.paged_decode_attention import (
+    DecodeConfig,
+    SplitWorkspace,
+    choose_num_splits,
+    paged_decode_attention,
+)
 from kernels.rms_norm import fused_add_rms_norm
-from kernels.utils import graph_time_us
+from kernels.utils import graph_time_us, num_sms
 
 MODELS = {  # hidden, q heads x head_dim, kv heads x head_dim, intermediate, layers
     "qwen3-0.6b": (1024, 16 * 128, 8 * 128, 3072, 28),
@@ -96,6 +110,39 @@ def bench_model(name: str, copies: int) -> dict:
     }
 
 
+def bench_merge(name: str) -> list[dict]:
+    """Split decode attention at batch 1 and 8 (bf16 cache, block 16, the engine's bound for a
+    4,096-token model): merge kernel vs folded merge, GPU us per layer call."""
+    _, q_size, kv_size, _, _ = MODELS[name]
+    hq, hkv, d, blk, bound = q_size // 128, kv_size // 128, 128, 16, 4096 + 256
+    dev, rows = torch.device("cuda"), []
+    for bs, ctx in ((1, 512), (1, 4096), (8, 512)):
+        per_seq = -(-ctx // blk)
+        num_blocks = bs * per_seq + 1
+        cache = torch.randn(num_blocks, 2, 2, blk, hkv, d, device=dev).to(torch.bfloat16)
+        kv_layer = cache[:, 1]
+        tables = (torch.randperm(num_blocks - 1, device=dev) + 1).to(torch.int32)
+        tables = tables.view(bs, per_seq).contiguous()
+        lens = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
+        q = torch.randn(bs, hq, d, device=dev).to(torch.bfloat16)
+        out = torch.empty_like(q)
+        splits = choose_num_splits(bs, hkv, bound, num_sms(dev))
+        ws = SplitWorkspace.allocate(bs, hq, splits, d, dev)
+
+        def run(fold, q=q, kv_layer=kv_layer, tables=tables, lens=lens, out=out, ws=ws):
+            cfg = DecodeConfig(fold_merge=fold)
+            paged_decode_attention(q, kv_layer, tables, lens, d**-0.5, out=out,
+                                   max_seq_len=bound, workspace=ws, config=cfg)  # fmt: skip
+            return out
+
+        diff = (run(True).float() - run(False).clone().float()).abs().max().item()
+        t = {fold: graph_time_us(lambda f=fold: run(f), reps=50) for fold in (False, True)}
+        rows.append({"model": name, "batch": bs, "ctx": ctx, "splits": splits,
+                     "merge_kernel_us": t[False], "folded_us": t[True],
+                     "max_abs_diff": diff})  # fmt: skip
+    return rows
+
+
 def copy_ceiling_gbps(nbytes: int = 1 << 30) -> float:
     """Device copy, read + write, GB/s (the ceiling the weight streams are set against)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -111,14 +158,20 @@ def main() -> None:
     args = ap.parse_args()
     copy_gbs = copy_ceiling_gbps()
     results, rows = {"copy_GBps": copy_gbs}, []
+    merge_rows = []
     for name in args.models.split(","):
         res = bench_model(name, args.copies)
         rows += res.pop("_rows")
+        res["attention_merge"] = bench_merge(name)
+        merge_rows += [(name, r["batch"], r["ctx"], f"{r['merge_kernel_us']:.2f}",
+                        f"{r['folded_us']:.2f}", f"{r['max_abs_diff']:.1e}")
+                       for r in res["attention_merge"]]  # fmt: skip
         results[name] = res
     print(f"copy {copy_gbs:,.0f} GB/s")
+    print_table(merge_rows, ("model", "batch", "ctx", "merge kernel us", "folded us", "max diff"))
     print_table(rows, ("model", "projection", "cuBLAS (+ op) us", "fused GEMV us", "tile"))
     if args.out_dir:
-        write_result("gemv_gpu", {"models": args.models, "copies": args.copies}, results,
+        write_result("fused_decode_gpu", {"models": args.models, "copies": args.copies}, results,
                      results_dir=Path(args.out_dir))  # fmt: skip
 
 
