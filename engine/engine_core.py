@@ -116,6 +116,11 @@ class EngineCore:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab_size={vocab}).")
+        if request.priority != 0 and self.config.scheduler.policy != "priority":
+            # vLLM's check and message: under FCFS a priority would be accepted and ignored.
+            raise ValueError(
+                f"Got priority {request.priority} but Priority scheduling is not enabled."
+            )
         params = request.sampling_params
         if params.logit_bias:
             bad = [t for t in params.logit_bias if not 0 <= t < vocab]

@@ -142,6 +142,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="queued tokens past which new requests are refused (None: no limit)",
     )
     parser.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="fcfs: arrival order; priority: by the requests' `priority` (lower first, then "
+        "arrival), preempting the least important. Under fcfs a non-zero priority is a 400.",
+    )
+    parser.add_argument(
         "--no-enable-prefix-caching",
         dest="enable_prefix_caching",
         action="store_false",
@@ -259,6 +266,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefill_backlog_steps=args.prefill_backlog_steps,
         max_num_queued_reqs=args.max_num_queued_reqs,
         max_num_queued_tokens=args.max_num_queued_tokens,
+        scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=args.enable_prefix_caching,
         load_format=args.load_format,
         seed=args.seed,

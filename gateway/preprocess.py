@@ -186,7 +186,7 @@ def tokenize_chat(
     except Exception as e:  # noqa: BLE001 - jinja errors: a template that rejects the messages
         raise bad_request(f"Failed to apply the chat template: {e}", "messages") from e
     assert isinstance(text, str), type(text)
-    return encode_bounded(info, text, add_special_tokens=False)
+    return encode_bounded(info, text, add_special_tokens=req.add_special_tokens)
 
 
 def tokenize_completion(info: ModelInfo, req: CompletionRequest) -> list[list[int]]:

@@ -318,6 +318,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Int32 | None = None
     add_generation_prompt: bool = True
+    # vLLM's: special tokens (a BOS) added to the rendered template, on top of its own.
+    add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     # Tools and reasoning (gateway/chat_tools.py, gateway/chat_output.py). `tool_choice` is
     # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}, checked

@@ -143,6 +143,17 @@ def test_policies_give_same_tokens(tiny_llama_path, policy):
     _assert_idle(llm)
 
 
+def test_priority_without_priority_scheduling_is_refused(tiny_llama_path):
+    """vLLM refuses a non-zero priority unless the scheduler orders by it: FCFS would accept it
+    and ignore it. Priority 0 (the default) is fine."""
+    llm = LLM(str(tiny_llama_path), max_model_len=128, num_gpu_blocks_override=12)
+    prompts = _random_prompts(2, 10, 30, seed=8)
+    with pytest.raises(ValueError, match="Got priority 2 but Priority scheduling is not enabled"):
+        llm.generate(prompts, GREEDY, priority=[0, 2])
+    assert len(llm.generate(prompts, GREEDY, priority=[0, 0])) == 2
+    _assert_idle(llm)
+
+
 def test_stop_token_text_is_not_output(tiny_qwen3_path):
     """vLLM: a request stopped by a token (EOS or stop_token_ids) does not show that token's
     text, even with skip_special_tokens off, unless include_stop_str_in_output."""

@@ -81,6 +81,18 @@ def test_add_special_tokens(custom_gateway, fake):
     assert with_bos == [IM_START_ID, *without]
 
 
+def test_chat_add_special_tokens(custom_gateway, fake):
+    """vLLM's chat field: off by default (the template has its special tokens), on adds the
+    tokenizer's own (here a BOS) to the rendered template."""
+    url, tokenizer = custom_gateway
+    _post(url, "/v1/chat/completions", messages=MESSAGES, max_tokens=1)
+    _post(url, "/v1/chat/completions", messages=MESSAGES, max_tokens=1, add_special_tokens=True)
+    plain, with_bos = (list(r.prompt_token_ids) for r in fake.record.requests)
+    text = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert plain == tokenizer.encode(text, add_special_tokens=False)
+    assert with_bos == [IM_START_ID, *plain]
+
+
 def test_chat_template_kwargs(custom_gateway, fake):
     url, tokenizer = custom_gateway
     _post(url, "/v1/chat/completions", messages=MESSAGES, max_tokens=1)

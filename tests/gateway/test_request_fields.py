@@ -94,6 +94,7 @@ IMPLEMENTED = {
         "add_generation_prompt": ["test_field_effects::test_add_generation_prompt"],
         "prompt_logprobs": ["test_eval_path::test_prompt_logprobs_chat"],
         "chat_template_kwargs": ["test_field_effects::test_chat_template_kwargs"],
+        "add_special_tokens": ["test_field_effects::test_chat_add_special_tokens"],
         # Tools and reasoning (test_tools.py, test_reasoning.py).
         "tools": [
             "test_tools::test_tools_and_tool_messages_are_rendered_by_the_template",

@@ -129,6 +129,13 @@ def test_bad_input_is_invalid_argument(services):
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await collect(stub, req)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, req
+        # A priority on an FCFS decode would be accepted and ignored: refused, as vLLM does.
+        prioritized = generate_request("x6", [1, 2], GREEDY)
+        prioritized.priority = 1
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await collect(stub, prioritized)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "Got priority 1 but Priority scheduling is not enabled" in e.value.details()
         load = await pstub.GetLoad(common_pb2.LoadRequest())
         target = common_pb2.KVTarget(
             agent_name="d",
