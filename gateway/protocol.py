@@ -277,6 +277,10 @@ class SamplingFields(BaseModel):
         return None
 
 
+# Content part types read as text -> the key holding their text.
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -284,14 +288,21 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The dict a chat template sees; text parts are joined with newlines (as vLLM does)."""
+        """The dict a chat template sees; text parts are joined with newlines (as vLLM does).
+        vLLM also reads the Responses API's `input_text` / `output_text` parts and an
+        assistant's `refusal` parts as text; any other part (images, audio) is a 400."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             texts = []
             for part in self.content:
-                if part.get("type") != "text":
-                    raise ValueError(f"Unsupported content part type: {part.get('type')!r}.")
-                texts.append(str(part.get("text", "")))
+                kind = part.get("type")
+                key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+                if key is None:
+                    raise ValueError(f"Unsupported content part type: {kind!r}.")
+                text = part.get(key)
+                if not isinstance(text, str):
+                    raise ValueError(f"A content part of type {kind!r} needs a string {key!r}.")
+                texts.append(text)
             message["content"] = "\n".join(texts)
         elif self.content is None:
             message["content"] = ""

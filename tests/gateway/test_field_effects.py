@@ -93,6 +93,38 @@ def test_chat_add_special_tokens(custom_gateway, fake):
     assert with_bos == [IM_START_ID, *plain]
 
 
+def test_text_content_parts_render_as_the_joined_text(custom_gateway, fake):
+    """vLLM's reading of content parts: text, input_text, output_text and an assistant's
+    refusal are text, joined with newlines; an image part or a text part without a string is
+    a 400, not a prompt with a hole in it."""
+    url, _ = custom_gateway
+    plain = [
+        {"role": "user", "content": "Hi\nthere"},
+        {"role": "assistant", "content": "I can't"},
+        {"role": "user", "content": "Why"},
+    ]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                     {"type": "input_text", "text": "there"}]},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't"}]},
+        {"role": "user", "content": [{"type": "output_text", "text": "Why"}]},
+    ]  # fmt: skip
+    _post(url, "/v1/chat/completions", messages=plain, max_tokens=1)
+    _post(url, "/v1/chat/completions", messages=parts, max_tokens=1)
+    want, got = (list(r.prompt_token_ids) for r in fake.record.requests)
+    assert got == want
+    for bad in (
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+        {"type": "text", "text": 5},
+        {"type": "text"},
+        {"type": "refusal", "text": "no"},
+    ):
+        body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": [bad]}]}
+        resp = httpx.post(f"{url}/v1/chat/completions", json=body)
+        assert resp.status_code == 400, bad
+    assert len(fake.record.requests) == 2
+
+
 def test_chat_template_kwargs(custom_gateway, fake):
     url, tokenizer = custom_gateway
     _post(url, "/v1/chat/completions", messages=MESSAGES, max_tokens=1)
