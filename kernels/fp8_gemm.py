@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.utils import graph_time_us, num_sms
+from kernels.utils import gemm_output, graph_time_us, num_sms
 
 FP8 = torch.float8_e4m3fn
 MAX_M = 32  # the most rows these kernels are for: decode batches (x's tile fits shared memory)
@@ -222,11 +222,7 @@ def fp8_weight_gemm(
     assert x.stride(1) == 1 and weight.stride(1) == 1
     scale = weight_scale.reshape(-1)
     assert scale.numel() == n and scale.dtype == torch.float32 and scale.is_contiguous()
-    if bias is not None:
-        assert bias.shape == (n,) and bias.is_contiguous()
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    assert out.shape == (m, n) and out.stride(1) == 1 and out.dtype == x.dtype
+    out = gemm_output(x, n, bias, out)
     if m == 0:
         return out
     key = tile_keyword(m)

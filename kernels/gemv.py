@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.utils import graph_time_us, num_sms
+from kernels.utils import gemm_output, graph_time_us, num_sms
 
 MAX_M = 2  # rows: each row's programs stream the whole weight again (L2 does not hold it)
 NONE, RMS_NORM, SILU_MUL = 0, 1, 2
@@ -147,11 +147,7 @@ def _launch(x, weight, bias, out, prologue, residual, residual_out, gamma, eps, 
     n, k = weight.shape
     assert m <= MAX_M, f"the GEMV kernel is for at most {MAX_M} rows, got {m}"
     assert x.stride(1) == 1 and weight.stride(1) == 1 and weight.dtype == x.dtype
-    if bias is not None:
-        assert bias.shape == (n,) and bias.is_contiguous()
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    assert out.shape == (m, n) and out.stride(1) == 1 and out.dtype == x.dtype
+    out = gemm_output(x, n, bias, out)
     if m == 0:
         return out
     cfg = config or default_config(n, x.device)

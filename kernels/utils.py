@@ -80,6 +80,19 @@ def fp8_max(kv_layer: torch.Tensor) -> float:
     return torch.finfo(kv_layer.dtype).max if kv_layer.dtype == torch.float8_e4m3fn else 0.0
 
 
+def gemm_output(
+    x: torch.Tensor, n: int, bias: torch.Tensor | None, out: torch.Tensor | None
+) -> torch.Tensor:
+    """The [M, n] output of a decode-size GEMM in x's dtype (`out`, checked, or a new one);
+    checks `bias` ([n], contiguous) on the way. The GEMV and FP8 wrappers share it."""
+    if bias is not None:
+        assert bias.shape == (n,) and bias.is_contiguous()
+    if out is None:
+        out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    assert out.shape == (x.shape[0], n) and out.stride(1) == 1 and out.dtype == x.dtype
+    return out
+
+
 def graph_time_us(fn, reps: int = 20, replays: int = 5) -> float:
     """CUDA: GPU microseconds per call of `fn`, without the launch cost from Python (which
     exceeds what small kernels run): one call outside the capture (compilation, cuBLAS's
