@@ -74,8 +74,11 @@ class GatewaySettings(BaseSettings):
     api_keys: SecretStr | None = Field(None, validation_alias="TANDEM_API_KEYS")
     # One `key[:tenant[:limits-json]]` per line, `#` comments (see gateway.auth).
     api_keys_file: Path | None = Field(None, validation_alias="TANDEM_API_KEYS_FILE")
+    # Reachable without a key when keys are configured: vLLM's unauthenticated routes (/health,
+    # /version; /version is what the liveness probes ask). The model list is behind the key, as
+    # in vLLM and OpenAI (TANDEM_GATEWAY_PUBLIC_MODELS=true opens it).
     public_health: bool = True
-    public_models: bool = True
+    public_models: bool = False
     # vLLM's POST /tokenize and /detokenize; off: they are 404 like any unlisted path.
     enable_tokenizer_endpoints: bool = False
     # CORS is closed unless origins are listed (browsers then get no Access-Control headers).

@@ -48,7 +48,7 @@ class Edge:
 
     def public_paths(self) -> frozenset[str]:
         """Reachable without a key when keys are configured; everything else needs one."""
-        paths: set[str] = set()
+        paths: set[str] = {"/version"}  # no secret, no backend: the liveness probes' path
         if self.settings.public_health:
             paths.add("/health")
         if self.settings.public_models:

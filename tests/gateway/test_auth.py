@@ -73,21 +73,26 @@ def test_auth_comes_before_body_parsing(keyed):
 
 
 def test_public_routes_need_no_key(keyed):
+    """vLLM's unauthenticated routes, /health and /version; the model list needs the key, as in
+    vLLM and OpenAI (an SDK sends it anyway)."""
     url, _ = keyed
     assert httpx.get(f"{url}/health").status_code == 200
-    _assert_401(httpx.get(f"{url}/version"))  # not public: everything but health and models
-    assert httpx.get(f"{url}/version", headers={"Authorization": f"Bearer {KEY_BETA}"}).is_success
-    (model,) = sdk(url, "not-a-key").models.list().data
+    assert httpx.get(f"{url}/version").status_code == 200
+    for path in ("/v1/models", f"/v1/models/{SERVED_NAME}"):
+        _assert_401(httpx.get(f"{url}{path}"))
+    with pytest.raises(openai.AuthenticationError):
+        sdk(url, "not-a-key").models.list()
+    (model,) = sdk(url, KEY_BETA).models.list().data
     assert model.id == SERVED_NAME
 
 
-def test_public_routes_can_be_closed(tiny_qwen3_path, model_info, fakes):
-    overrides = dict(api_keys=KEY_ALPHA, public_health=False, public_models=False)
+def test_public_routes_can_be_changed(tiny_qwen3_path, model_info, fakes):
+    overrides = dict(api_keys=KEY_ALPHA, public_health=False, public_models=True)
     with edge_gateway(tiny_qwen3_path, model_info, decode=[fakes[0][1]], **overrides) as (url, _):
-        for path in ("/health", "/v1/models"):
-            _assert_401(httpx.get(f"{url}{path}"))
-            auth = {"Authorization": f"Bearer {KEY_ALPHA}"}
-            assert httpx.get(f"{url}{path}", headers=auth).status_code == 200
+        _assert_401(httpx.get(f"{url}/health"))
+        auth = {"Authorization": f"Bearer {KEY_ALPHA}"}
+        assert httpx.get(f"{url}/health", headers=auth).status_code == 200
+        assert httpx.get(f"{url}/v1/models").status_code == 200
 
 
 def test_key_file_tenants_and_limits(tmp_path):

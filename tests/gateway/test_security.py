@@ -101,7 +101,7 @@ def test_other_methods_are_405(secured):
 def test_cors_is_closed_by_default_and_configurable(secured, tiny_qwen3_path, model_info, fakes):
     url, _ = secured
     origin = {"Origin": "https://evil.example"}
-    resp = httpx.get(f"{url}/v1/models", headers=origin)
+    resp = httpx.get(f"{url}/v1/models", headers={**origin, **_auth()})
     assert resp.status_code == 200 and "access-control-allow-origin" not in resp.headers
     overrides = dict(decode=[fakes[0][1]], cors_origins="https://app.example")
     with edge_gateway(tiny_qwen3_path, model_info, **overrides) as (open_url, _):

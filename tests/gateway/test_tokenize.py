@@ -85,11 +85,11 @@ def test_behind_auth_when_keys_are_configured(tiny_qwen3_path, model_info):
         assert httpx.post(f"{url}/detokenize", json={"tokens": [1]}).status_code == 401
         auth = {"Authorization": f"Bearer {KEY_ALPHA}"}
         assert httpx.post(f"{url}/tokenize", json=body, headers=auth).status_code == 200
-        # /v1/models/{model} is public like /v1/models (public_models), unless turned off.
-        assert httpx.get(f"{url}/v1/models/{SERVED_NAME}").status_code == 200
-    overrides = dict(api_keys=KEY_ALPHA, public_models=False)
-    with edge_gateway(tiny_qwen3_path, model_info, **overrides) as (url, _):
+        # /v1/models/{model} follows /v1/models: behind the key unless public_models.
         assert httpx.get(f"{url}/v1/models/{SERVED_NAME}").status_code == 401
+    overrides = dict(api_keys=KEY_ALPHA, public_models=True)
+    with edge_gateway(tiny_qwen3_path, model_info, **overrides) as (url, _):
+        assert httpx.get(f"{url}/v1/models/{SERVED_NAME}").status_code == 200
 
 
 def test_flag_turns_them_on():
