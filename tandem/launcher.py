@@ -247,8 +247,9 @@ def serve_main(argv: list[str] | None = None) -> int:
             f"--api-server-count {count} needs --redis-url (or ${REDIS_URL_ENV}): the gateway "
             "processes share API-key quotas, the instance registry and the block index there"
         )
-    # Before any model loads: a taken port is one line now, not a traceback in a minute.
-    error = bind_error(args.host, args.port)
+    # Before any model loads: a taken port or a bad model is one line now, not a traceback from
+    # every service in a minute.
+    error = bind_error(args.host, args.port) or engine_config_error(args)
     roles = ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
     metrics_ports = _metrics_ports(args.metrics_port, 1 + len(roles))
     for metrics_port in metrics_ports if args.metrics_port else ():
@@ -327,11 +328,27 @@ def serve_main(argv: list[str] | None = None) -> int:
     except GiveUpError as e:
         logger.error("%s; stopping everything", e)
         return 1
+    except (RuntimeError, TimeoutError) as e:  # a service that died or hung while starting
+        print(f"tandem serve: {e}", file=sys.stderr)
+        return 1
     except InterruptedError as e:  # Ctrl-C / SIGTERM during start-up
         logger.info("%s", e)
         return 0
     finally:
         cluster.stop()
+
+
+def engine_config_error(args: argparse.Namespace) -> str | None:
+    """What every service would fail on at start-up (a model path that does not exist, a
+    `--max-model-len` above the model's, a bad dtype), checked once here: the services build
+    the same configuration from the same flags. None when it builds."""
+    from engine.serving import engine_config_from_args
+
+    try:
+        engine_config_from_args(args)
+    except (OSError, ValueError) as e:  # FileNotFoundError is an OSError
+        return str(e)
+    return None
 
 
 METRICS_HOST = "127.0.0.1"  # metrics stay off the public address

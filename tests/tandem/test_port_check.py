@@ -57,3 +57,38 @@ def test_serve_process_exits_in_one_line(taken_port):
     assert proc.returncode == 1
     assert proc.stderr.strip().count("\n") == 0 and f"port {taken_port}" in proc.stderr
     assert elapsed_s < 30, elapsed_s  # no model load (it took ~30 s before failing)
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["/nonexistent/model"], "Model path '/nonexistent/model' does not exist."),
+        (["--max-model-len", "100000"], "User-specified max_model_len (100000) is greater"),
+        (["--dtype", "float7"], "Unknown dtype 'float7'"),
+    ],
+)
+def test_serve_refuses_a_bad_engine_config_before_starting_anything(
+    flags, said, tiny_qwen3_path, capsys, monkeypatch
+):
+    """What every service would die of at start-up is one line, before any service starts
+    (it was a traceback from each service, then one from the launcher)."""
+    monkeypatch.delenv("TANDEM_REDIS_URL", raising=False)
+    monkeypatch.delenv("TANDEM_REDIS_URL_FILE", raising=False)
+    argv = flags if flags[0].startswith("/") else [str(tiny_qwen3_path), *flags]
+    spawned = []
+    monkeypatch.setattr("tandem.launcher.Cluster.spawn", lambda *a: spawned.append(a))
+    assert serve_main([*argv, "--port", "0"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tandem serve: ") and said in err and "\n" not in err, err
+    assert not spawned
+
+
+def test_a_service_that_dies_starting_is_one_line(tiny_qwen3_path, capsys, monkeypatch):
+    """A failure only the service meets (no room for a single KV block) ends `tandem serve`
+    with one line pointing at the service's log, not the launcher's traceback."""
+    monkeypatch.delenv("TANDEM_REDIS_URL", raising=False)
+    monkeypatch.delenv("TANDEM_REDIS_URL_FILE", raising=False)
+    argv = [str(tiny_qwen3_path), "--port", "0", "--kv-cache-memory-bytes", "1"]
+    assert serve_main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("tandem serve: prefill exited with code") and "log above" in err, err
