@@ -48,7 +48,8 @@ class NotReadyError(RuntimeError):
 async def wait_until_ready(target: Target, request, timeout_s: float, **kw) -> None:
     """Send one request until it succeeds: connection errors and 503 are retried (the server is
     starting), any other failure ends the benchmark before it starts."""
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline, next_note = start + timeout_s, start
     while True:
         (out,), _ = await run_load(target, [request], LoadPoint(), **kw)
         if out.is_success:
@@ -56,6 +57,15 @@ async def wait_until_ready(target: Target, request, timeout_s: float, **kw) -> N
         retry = not out.error.startswith("HTTP ") or out.error.startswith("HTTP 503")
         if not retry or time.monotonic() > deadline:
             raise NotReadyError(f"the first request failed: {out.error}")
+        if time.monotonic() >= next_note:  # say why it waits, not a silent minute
+            waited_s = time.monotonic() - start
+            print(
+                f"Waiting for {target.api_url} ({waited_s:.0f} of {timeout_s:.0f} s; "
+                f"--ready-check-timeout-sec 0 skips this): {out.error}",
+                file=sys.stderr,
+                flush=True,
+            )
+            next_note = time.monotonic() + 10.0
         await asyncio.sleep(1.0)
 
 

@@ -304,9 +304,11 @@ def test_cli_stops_early_when_the_first_request_cannot_succeed(tmp_path, tiny_qw
     with StubServer() as stub:  # a 404 is not retried: no 600 s wait
         assert tandem_main([*common, "--base-url", stub.base_url]) == 1
     assert "the first request failed: HTTP 404" in capsys.readouterr().err
-    # Nothing listens there: retried until the deadline, then the same exit.
+    # Nothing listens there: retried until the deadline, saying so, then the same exit.
     assert tandem_main([*common, "--port", "9", "--ready-check-timeout-sec", "1"]) == 1
-    assert "ClientConnectorError" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Waiting for http://127.0.0.1:9/v1/completions (0 of 1 s" in err
+    assert "the first request failed: ClientConnectorError" in err
 
 
 # ---- smoke: a real Tandem --------------------------------------------------------------------
