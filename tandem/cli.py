@@ -26,14 +26,29 @@ def _generate(argv: list[str]) -> int:
 
     from engine import LLM, SamplingParams
 
-    parser = argparse.ArgumentParser("tandem generate")
-    parser.add_argument("model", nargs="?", default="HuggingFaceTB/SmolLM2-135M-Instruct")
-    parser.add_argument("--prompt", required=True)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser = argparse.ArgumentParser(
+        "tandem generate",
+        description="One chat turn on the offline engine (no services, no gateway).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default="HuggingFaceTB/SmolLM2-135M-Instruct",
+        help="local Hugging Face folder or hub id",
+    )
+    parser.add_argument(
+        "--prompt", required=True, help="the user message (the chat template applies)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="context length")
     args = parser.parse_args(argv)
-    llm = LLM(args.model, max_model_len=args.max_model_len)
+    try:
+        llm = LLM(args.model, max_model_len=args.max_model_len)
+    except (OSError, ValueError) as e:  # a bad path or length: one line, as `tandem serve`
+        print(f"tandem generate: {e}", file=sys.stderr)
+        return 1
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     print(out.outputs[0].text)

@@ -51,3 +51,22 @@ def test_serve_help_names_its_own_flags_defaults():
     assert "(default: 8000)" in port
     num_decode = next(d for e, d in entries.items() if e.startswith("--num-decode"))
     assert "(default: 1)" in num_decode
+
+
+def test_generate_help_describes_every_option(capsys):
+    from tandem.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    entries = help_entries(capsys.readouterr().out)
+    assert {"model", "--prompt PROMPT", "--max-tokens MAX_TOKENS"} <= set(entries)
+    for invocation, description in entries.items():
+        assert description, f"tandem generate --help: {invocation} has no description"
+
+
+def test_generate_with_a_bad_model_is_one_line(capsys):
+    from tandem.cli import main
+
+    assert main(["generate", "/nonexistent/model", "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "tandem generate: Model path '/nonexistent/model' does not exist.", err
