@@ -25,21 +25,21 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import print_table, write_result
+from bench.gpu_engine import SHAPES
+from bench.kernels import copy_ceiling_gbps, decode_case, timer
 from kernels.activation import silu_and_mul
 from kernels.gemv import CANDIDATES, gemv, rms_norm_gemv, silu_mul_gemv
-from kernels.paged_decode_attention import (
-    DecodeConfig,
-    SplitWorkspace,
-    choose_num_splits,
-    paged_decode_attention,
-)
+from kernels.paged_decode_attention import DecodeConfig
 from kernels.rms_norm import fused_add_rms_norm
-from kernels.utils import graph_time_us, num_sms
+from kernels.utils import graph_time_us
 
-MODELS = {  # hidden, q heads x head_dim, kv heads x head_dim, intermediate, layers
-    "qwen3-0.6b": (1024, 16 * 128, 8 * 128, 3072, 28),
-    "qwen3-8b": (4096, 32 * 128, 8 * 128, 12288, 36),
-}
+# hidden, q heads x head_dim, kv heads x head_dim, intermediate, layers (gpu_engine's shapes)
+MODELS = {
+    name: (s["hidden_size"], s["num_attention_heads"] * s["head_dim"],
+           s["num_key_value_heads"] * s["head_dim"], s["intermediate_size"],
+           s["num_hidden_layers"])
+    for name, s in SHAPES.items()
+}  # fmt: skip
 EPS = 1e-6
 
 
@@ -114,40 +114,19 @@ def bench_merge(name: str) -> list[dict]:
     """Split decode attention at batch 1 and 8 (bf16 cache, block 16, the engine's bound for a
     4,096-token model): merge kernel vs folded merge, GPU us per layer call."""
     _, q_size, kv_size, _, _ = MODELS[name]
-    hq, hkv, d, blk, bound = q_size // 128, kv_size // 128, 128, 16, 4096 + 256
-    dev, rows = torch.device("cuda"), []
+    rows = []
     for bs, ctx in ((1, 512), (1, 4096), (8, 512)):
-        per_seq = -(-ctx // blk)
-        num_blocks = bs * per_seq + 1
-        cache = torch.randn(num_blocks, 2, 2, blk, hkv, d, device=dev).to(torch.bfloat16)
-        kv_layer = cache[:, 1]
-        tables = (torch.randperm(num_blocks - 1, device=dev) + 1).to(torch.int32)
-        tables = tables.view(bs, per_seq).contiguous()
-        lens = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
-        q = torch.randn(bs, hq, d, device=dev).to(torch.bfloat16)
-        out = torch.empty_like(q)
-        splits = choose_num_splits(bs, hkv, bound, num_sms(dev))
-        ws = SplitWorkspace.allocate(bs, hq, splits, d, dev)
-
-        def run(fold, q=q, kv_layer=kv_layer, tables=tables, lens=lens, out=out, ws=ws):
-            cfg = DecodeConfig(fold_merge=fold)
-            paged_decode_attention(q, kv_layer, tables, lens, d**-0.5, out=out,
-                                   max_seq_len=bound, workspace=ws, config=cfg)  # fmt: skip
-            return out
-
-        diff = (run(True).float() - run(False).clone().float()).abs().max().item()
-        t = {fold: graph_time_us(lambda f=fold: run(f), reps=50) for fold in (False, True)}
-        rows.append({"model": name, "batch": bs, "ctx": ctx, "splits": splits,
-                     "merge_kernel_us": t[False], "folded_us": t[True],
-                     "max_abs_diff": diff})  # fmt: skip
+        run, _ = decode_case(bs, ctx, q_size // 128, kv_size // 128, 128, 16, 4096 + 256,
+                             torch.bfloat16, torch.device("cuda"), workspace=True)  # fmt: skip
+        folded = run(DecodeConfig(fold_merge=True)).clone()  # `run` reuses one output
+        diff = folded.float() - run(DecodeConfig()).float()
+        t = {
+            fold: graph_time_us(lambda f=fold, r=run: r(DecodeConfig(fold_merge=f)), reps=50)
+            for fold in (False, True)
+        }
+        rows.append({"model": name, "batch": bs, "ctx": ctx, "merge_kernel_us": t[False],
+                     "folded_us": t[True], "max_abs_diff": diff.abs().max().item()})  # fmt: skip
     return rows
-
-
-def copy_ceiling_gbps(nbytes: int = 1 << 30) -> float:
-    """Device copy, read + write, GB/s (the ceiling the weight streams are set against)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * nbytes / graph_time_us(lambda: dst.copy_(src), reps=2) / 1e3
 
 
 def main() -> None:
@@ -156,7 +135,8 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=4, help="weight sets per graph (> L2)")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args()
-    copy_gbs = copy_ceiling_gbps()
+    dev = torch.device("cuda")
+    copy_gbs = copy_ceiling_gbps(dev, 1 << 30, timer(dev))
     results, rows = {"copy_GBps": copy_gbs}, []
     merge_rows = []
     for name in args.models.split(","):

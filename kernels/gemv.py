@@ -24,8 +24,8 @@ rounded once, like cuBLAS's; only the summation order differs.
 Whether this beats cuBLAS plus the separate kernel depends on the shape: a GEMV streams the
 weight at 60-85% of the copy bandwidth (kernels/fp8_gemm.py measured the same loop), cuBLAS at
 up to ~95% on large weights, so on Qwen3-8B's gate_up the saved launch may not pay for the
-slower stream. `choose_config` times the candidates and the model uses a fused form only where
-it measured faster (engine/models/layers.py `tune_gemv`).
+slower stream. `tune_gemv` (engine/models/layers.py) times the candidates on the model's own
+weights, and the model uses a fused form only where it measured faster.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.utils import gemm_output, graph_time_us, num_sms
+from kernels.utils import gemm_output, num_sms
 
 MAX_M = 2  # rows: each row's programs stream the whole weight again (L2 does not hold it)
 NONE, RMS_NORM, SILU_MUL = 0, 1, 2
@@ -118,7 +118,7 @@ class GemvConfig:
     reduce_each: bool = False
 
 
-# What `choose_config` times: narrow tiles so small N still fills the GPU (Qwen3-0.6B's
+# What `tune_gemv` times: narrow tiles so small N still fills the GPU (Qwen3-0.6B's
 # o_proj and down_proj have 1,024 outputs: 8 per program is 128 programs on 132 SMs), wide K
 # tiles for many loads in flight.
 CANDIDATES = (
@@ -207,10 +207,3 @@ def silu_mul_gemv(
     """(silu(x[:, :K]) * x[:, K:]) @ weight [N, K].T (+ bias), x [M, 2K] -> [M, N]."""
     assert x.dim() == 2 and x.shape[1] == 2 * weight.shape[1], "x [M, 2K], weight [N, K]"
     return _launch(x, weight, bias, None, SILU_MUL, None, None, None, 0.0, config)
-
-
-def choose_config(fn) -> tuple[GemvConfig, dict[GemvConfig, float]]:
-    """CUDA: the fastest of CANDIDATES for `fn(config)` (a call of one of the functions above),
-    in GPU microseconds (`graph_time_us`). Returns (it, {config: us})."""
-    times = {cfg: graph_time_us(lambda c=cfg: fn(c)) for cfg in CANDIDATES}
-    return min(times, key=times.get), times

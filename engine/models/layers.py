@@ -31,9 +31,9 @@ class Linear(nn.Linear):
     where it pays."""
 
     pad_rows_to: int = 0
-    # Up to kernels.gemv.MAX_M rows: this layer's GEMM, with the op before it folded in (the
-    # RMSNorm before qkv/gate_up, the SiLU-mul before down), as kernels/gemv.py's kernel with
-    # this tile. Set by `tune_gemv` where it measured faster than cuBLAS plus that op.
+    # Up to GEMV_ROWS rows: this layer's GEMM, with the op before it folded in (the RMSNorm
+    # before qkv/gate_up, the SiLU-mul before down), as kernels/gemv.py's kernel with this
+    # tile. Set by `tune_gemv` where it measured faster than cuBLAS plus that op.
     gemv_config = None
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
