@@ -67,7 +67,7 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr,
-    FOLD_MERGE: tl.constexpr,
+    FOLD_MERGE: tl.constexpr, BLOCK_P: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -149,12 +149,18 @@ def _paged_decode_kernel(
             done = tl.atomic_add(counter, 1, sem="acq_rel")
             if done == num_parts - 1:
                 tl.atomic_xchg(counter, 0)  # ready for the next launch (a graph replay)
-                out = _merge_partitions(
-                    m_ptr, l_ptr, acc_ptr, seq * stride_ps + heads * stride_ph, num_parts,
-                    mask_h, mask_hd, offs_d, HEAD_DIM, BLOCK_H, BLOCK_D,
-                )  # fmt: skip
-                out_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
-                tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_hd)
+                offs_p = tl.arange(0, BLOCK_P)
+                for h in tl.static_range(GROUP):  # .cg: other SMs wrote these partials
+                    head = kvh * GROUP + h
+                    out = _merge_head(
+                        m_ptr, l_ptr, acc_ptr, seq * stride_ps + head * stride_ph + offs_p,
+                        offs_p < num_parts, offs_d, mask_d, HEAD_DIM, ".cg",
+                    )  # fmt: skip
+                    tl.store(
+                        out_ptr + seq * stride_os + head * stride_oh + offs_d,
+                        out.to(out_ptr.dtype.element_ty),
+                        mask=mask_d,
+                    )
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         out_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
@@ -162,31 +168,24 @@ def _paged_decode_kernel(
 
 
 @triton.jit
-def _merge_partitions(
-    m_ptr, l_ptr, acc_ptr, rows, num_parts, mask_h, mask_hd, offs_d,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+def _merge_head(
+    m_ptr, l_ptr, acc_ptr, row, mask_p, offs_d, mask_d,
+    HEAD_DIM: tl.constexpr, CACHE: tl.constexpr,
 ):  # fmt: skip
-    """The normalised output of a group's heads from their partials (`rows`: the heads' first
-    partition), merged one partition at a time. Loads bypass L1 (.cg): other SMs wrote them."""
-    m_run = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-    l_run = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for p in range(0, num_parts):
-        m_p = tl.load(m_ptr + rows + p, mask=mask_h, other=-1.0e30, cache_modifier=".cg")
-        l_p = tl.load(l_ptr + rows + p, mask=mask_h, other=0.0, cache_modifier=".cg")
-        a_p = tl.load(
-            acc_ptr + (rows + p)[:, None] * HEAD_DIM + offs_d[None, :],
-            mask=mask_hd,
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        m_new = tl.maximum(m_run, m_p)
-        alpha = tl.exp2(m_run - m_new)
-        beta = tl.exp2(m_p - m_new)
-        l_run = l_run * alpha + l_p * beta
-        acc = acc * alpha[:, None] + a_p * beta[:, None]
-        m_run = m_new
-    return acc / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
+    """One q head's output from the partials of its partitions that hold tokens (`row`: their
+    offsets, `mask_p`: which hold tokens), all loaded at once: each rescaled by
+    exp2(m_p - max m). None holding tokens (a length-0 sequence) gives zeros."""
+    m = tl.load(m_ptr + row, mask=mask_p, other=-1.0e30, cache_modifier=CACHE)
+    l_p = tl.load(l_ptr + row, mask=mask_p, other=0.0, cache_modifier=CACHE)
+    acc = tl.load(
+        acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=mask_p[:, None] & mask_d[None, :],
+        other=0.0,
+        cache_modifier=CACHE,
+    )
+    w = tl.exp2(m - tl.max(m, 0))
+    denom = tl.sum(w * l_p, 0)
+    return tl.sum(w[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)
 
 
 @triton.jit
@@ -204,27 +203,18 @@ def _paged_decode_reduce_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Merge the partitions of one (sequence, q head) that hold tokens: rescale each by
-    exp2(m_p - max m). A sequence of length 0 has none and gets zeros."""
+    """Merge the partitions of one (sequence, q head) that hold tokens."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     num_parts = tl.cdiv(seq_len, _partition_size(seq_len, num_splits, BLOCK_N))
     offs_p = tl.arange(0, BLOCK_P)
-    mask_p = offs_p < num_parts
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    row = seq * stride_ps + head * stride_ph + offs_p
-    m = tl.load(m_ptr + row, mask=mask_p, other=-1.0e30)
-    l_p = tl.load(l_ptr + row, mask=mask_p, other=0.0)
-    acc = tl.load(
-        acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=mask_p[:, None] & mask_d[None, :],
-        other=0.0,
-    )
-    w = tl.exp2(m - tl.max(m, 0))
-    denom = tl.sum(w * l_p, 0)
-    out = tl.sum(w[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)
+    out = _merge_head(
+        m_ptr, l_ptr, acc_ptr, seq * stride_ps + head * stride_ph + offs_p, offs_p < num_parts,
+        offs_d, mask_d, HEAD_DIM, "",
+    )  # fmt: skip
     tl.store(
         out_ptr + seq * stride_os + head * stride_oh + offs_d,
         out.to(out_ptr.dtype.element_ty),
@@ -341,7 +331,8 @@ def paged_decode_attention(
         IS_SPLIT=is_split, DOT_PRECISION=dot_precision(q.dtype),
         F16_DOTS=kv_layer.dtype == torch.float8_e4m3fn
         and (cfg.f16_dots if cfg.f16_dots is not None else q.dtype == torch.bfloat16),
-        FOLD_MERGE=fold, num_warps=cfg.num_warps, num_stages=num_stages,
+        FOLD_MERGE=fold, BLOCK_P=triton.next_power_of_2(num_splits),
+        num_warps=cfg.num_warps, num_stages=num_stages,
     )  # fmt: skip
     if is_split and not fold:
         _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
