@@ -1,13 +1,13 @@
-"""`--fused-decode`'s two parts on the GPU, each against what runs without it.
+"""`--fused-decode`'s batch-1 projections on the GPU against what runs without it: cuBLAS plus
+the separate norm / activation kernel against kernels/gemv.py's fused forms, per projection and
+for a layer's four together. Each is timed as one CUDA graph over COPIES distinct weight sets
+(more bytes than the L2 holds, as in a step, where each layer's weights come from HBM), every
+candidate tile of the GEMV, and cuBLAS both plain and padded to 8 rows (`tune_small_m`'s
+choice).
 
-1. Batch-1 projections: cuBLAS plus the separate norm / activation kernel against
-   kernels/gemv.py's fused forms, per projection and for a layer's four together. Each is
-   timed as one CUDA graph over COPIES distinct weight sets (more bytes than the L2 holds, as in
-   a step, where each layer's weights come from HBM), every candidate tile of the GEMV, and
-   cuBLAS both plain and padded to 8 rows (`tune_small_m`'s choice).
-2. Split decode attention: the merge kernel against the merge folded into the last partition's
-   program (`DecodeConfig.fold_merge`), at batch 1 and 8, with the largest difference between
-   the two outputs.
+(It also timed split decode attention's merge folded into the last partition's program against
+the merge kernel: slower on the H200 and the H100, 2026-12-05, so the fold was removed; the
+figures are in bench/results/fused_decode_gpu-2026-12-05*.json.)
 
     python -m bench.fused_decode_gpu [--models qwen3-0.6b,qwen3-8b] [--out-dir DIR]
 
@@ -26,10 +26,9 @@ import torch.nn.functional as F
 
 from bench.common import print_table, write_result
 from bench.gpu_engine import SHAPES
-from bench.kernels import copy_ceiling_gbps, decode_case, timer
+from bench.kernels import copy_ceiling_gbps, timer
 from kernels.activation import silu_and_mul
 from kernels.gemv import CANDIDATES, gemv, rms_norm_gemv, silu_mul_gemv
-from kernels.paged_decode_attention import DecodeConfig
 from kernels.rms_norm import fused_add_rms_norm
 from kernels.utils import graph_time_us
 
@@ -110,25 +109,6 @@ def bench_model(name: str, copies: int) -> dict:
     }
 
 
-def bench_merge(name: str) -> list[dict]:
-    """Split decode attention at batch 1 and 8 (bf16 cache, block 16, the engine's bound for a
-    4,096-token model): merge kernel vs folded merge, GPU us per layer call."""
-    _, q_size, kv_size, _, _ = MODELS[name]
-    rows = []
-    for bs, ctx in ((1, 512), (1, 4096), (8, 512)):
-        run, _ = decode_case(bs, ctx, q_size // 128, kv_size // 128, 128, 16, 4096 + 256,
-                             torch.bfloat16, torch.device("cuda"), workspace=True)  # fmt: skip
-        folded = run(DecodeConfig(fold_merge=True)).clone()  # `run` reuses one output
-        diff = folded.float() - run(DecodeConfig()).float()
-        t = {
-            fold: graph_time_us(lambda f=fold, r=run: r(DecodeConfig(fold_merge=f)), reps=50)
-            for fold in (False, True)
-        }
-        rows.append({"model": name, "batch": bs, "ctx": ctx, "merge_kernel_us": t[False],
-                     "folded_us": t[True], "max_abs_diff": diff.abs().max().item()})  # fmt: skip
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="qwen3-0.6b,qwen3-8b")
@@ -138,17 +118,11 @@ def main() -> None:
     dev = torch.device("cuda")
     copy_gbs = copy_ceiling_gbps(dev, 1 << 30, timer(dev))
     results, rows = {"copy_GBps": copy_gbs}, []
-    merge_rows = []
     for name in args.models.split(","):
         res = bench_model(name, args.copies)
         rows += res.pop("_rows")
-        res["attention_merge"] = bench_merge(name)
-        merge_rows += [(name, r["batch"], r["ctx"], f"{r['merge_kernel_us']:.2f}",
-                        f"{r['folded_us']:.2f}", f"{r['max_abs_diff']:.1e}")
-                       for r in res["attention_merge"]]  # fmt: skip
         results[name] = res
     print(f"copy {copy_gbs:,.0f} GB/s")
-    print_table(merge_rows, ("model", "batch", "ctx", "merge kernel us", "folded us", "max diff"))
     print_table(rows, ("model", "projection", "cuBLAS (+ op) us", "fused GEMV us", "tile"))
     if args.out_dir:
         write_result("fused_decode_gpu", {"models": args.models, "copies": args.copies}, results,

@@ -48,7 +48,7 @@ VARIANTS = {
     "fp8": {"quantization": "fp8"},
     "kv-fp8": {"kv_cache_dtype": "fp8"},
     "sync-mixed": {"async_mixed_steps": False},  # steps with prompt chunks run synchronously
-    "fused-decode": {"fused_decode": True},  # batch-1 GEMVs with norm/act folded in, merge folded
+    "fused-decode": {"fused_decode": True},  # batch-1 GEMVs with norm/act folded in
 }
 
 SHAPES = {

@@ -69,18 +69,10 @@ def copy_ceiling_gbps(device: torch.device, nbytes: int, time_s) -> float:
     return 2 * nbytes / time_s(lambda: dst.copy_(src)) / 1e9
 
 
-def decode_case(
-    num_seqs, ctx, hq, hkv, d, bs, bound, dtype, device, kv_dtype=None, workspace=False
-):
-    """(run(config) -> out, KV bytes read) for one decode batch; `bound` is the static
-    max_seq_len the engine passes (its max_model_len under CUDA graphs). `workspace`: split
-    partials (and the folded merge's counts) preallocated as the engine does, not per call."""
-    from kernels.paged_decode_attention import (
-        SplitWorkspace,
-        choose_num_splits,
-        paged_decode_attention,
-    )
-    from kernels.utils import num_sms
+def decode_case(num_seqs, ctx, hq, hkv, d, bs, bound, dtype, device, kv_dtype=None):
+    """(run(config) -> None, KV bytes read) for one decode batch; `bound` is the static
+    max_seq_len the engine passes (its max_model_len under CUDA graphs)."""
+    from kernels.paged_decode_attention import paged_decode_attention
 
     blocks_per_seq = -(-ctx // bs)
     num_blocks = num_seqs * blocks_per_seq + 1
@@ -91,14 +83,10 @@ def decode_case(
     seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device=device)
     q = torch.randn(num_seqs, hq, d, device=device).to(dtype)
     out = torch.empty_like(q)
-    ws = None
-    if workspace:
-        splits = choose_num_splits(num_seqs, hkv, bound, num_sms(device))
-        ws = SplitWorkspace.allocate(num_seqs, hq, splits, d, device)
 
     def run(config=None):
-        return paged_decode_attention(q, kv_layer, tables, seq_lens, d**-0.5, out=out,
-                                      max_seq_len=bound, workspace=ws, config=config)  # fmt: skip
+        paged_decode_attention(q, kv_layer, tables, seq_lens, d**-0.5, out=out,
+                               max_seq_len=bound, config=config)  # fmt: skip
 
     kv_bytes = num_seqs * ctx * hkv * d * 2 * cache.element_size()
     return run, kv_bytes

@@ -20,7 +20,6 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata
 from kernels.kv_cache_write import kv_cache_write
 from kernels.paged_decode_attention import (
-    DecodeConfig,
     SplitWorkspace,
     choose_num_splits,
     paged_decode_attention,
@@ -30,12 +29,10 @@ from kernels.utils import num_sms
 
 
 class TritonPagedAttention(AttentionBackend):
-    def __init__(self, static_max_seq_len: int | None = None, fold_merge: bool = False):
+    def __init__(self, static_max_seq_len: int | None = None):
         self.static_max_seq_len = static_max_seq_len
-        self.config = DecodeConfig(fold_merge=fold_merge)  # split decode: merge in-kernel?
         self._stats = torch.empty(0)  # flat fp32 [2 * rows]: row max, row sum
         self._acc = torch.empty(0)  # flat fp32 [rows * head_dim]
-        self._count = torch.zeros(0, dtype=torch.int32)  # finished partitions (fold_merge)
 
     def forward(
         self,
@@ -79,7 +76,7 @@ class TritonPagedAttention(AttentionBackend):
             workspace = self._workspace(q.shape[0], q.shape[1], num_splits, q.shape[2], q)
         return paged_decode_attention(
             q, kv_layer, block_tables, seq_lens, scale,
-            out=out, max_seq_len=max_seq_len, workspace=workspace, config=self.config,
+            out=out, max_seq_len=max_seq_len, workspace=workspace,
         )  # fmt: skip
 
     def reserve(
@@ -108,8 +105,6 @@ class TritonPagedAttention(AttentionBackend):
             self._stats = torch.empty(2 * rows, dtype=torch.float32, device=device)
         if self._acc.device != device or self._acc.numel() < rows * head_dim:
             self._acc = torch.empty(rows * head_dim, dtype=torch.float32, device=device)
-        if self._count.device != device or self._count.numel() < rows:  # zeros: see fold_merge
-            self._count = torch.zeros(rows, dtype=torch.int32, device=device)
 
     def _workspace(self, num_seqs, num_q_heads, num_splits, head_dim, like) -> SplitWorkspace:
         rows = num_seqs * num_q_heads * num_splits
@@ -119,5 +114,4 @@ class TritonPagedAttention(AttentionBackend):
             row_max=self._stats[:rows].view(shape),
             row_sum=self._stats[rows : 2 * rows].view(shape),
             acc=self._acc[: rows * head_dim].view(*shape, head_dim),
-            count=self._count[: num_seqs * num_q_heads],
         )

@@ -67,8 +67,7 @@ class ModelConfig:
     cudagraph_mode: str = "FULL_AND_PIECEWISE"
     # Fewer kernels per small-batch decode step (issue: batch 1 is launch-bound): batch-1 graphs
     # run the projections on kernels/gemv.py's GEMVs (norm / SiLU-mul folded in, no split-K
-    # reduce) wherever a start-up timing finds them faster than cuBLAS, and split decode
-    # attention merges its partitions in the last partition's program (no merge kernel).
+    # reduce) wherever a start-up timing finds them faster than cuBLAS.
     # Off until measured on the GPU (bench/README.md).
     fused_decode: bool = False
     # The HF generation_config.json contents, or {} when `generation_config="vllm"`.

@@ -108,8 +108,7 @@ class ModelRunner:
             return TorchPagedAttention()
         from engine.attention_triton import TritonPagedAttention
 
-        mc = self.config.model
-        return TritonPagedAttention(static_max_seq_len=mc.max_model_len, fold_merge=mc.fused_decode)
+        return TritonPagedAttention(static_max_seq_len=self.config.model.max_model_len)
 
     # ---- startup -------------------------------------------------------------------------
     def init_model(self) -> None:

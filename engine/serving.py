@@ -190,7 +190,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=False,
         help="fewer kernels per small-batch decode step: batch-1 projections on GEMV kernels "
         "with the RMSNorm / SiLU-mul folded in where a start-up timing finds them faster than "
-        "cuBLAS, and split decode attention merged without a second kernel (default: off)",
+        "cuBLAS (default: off)",
     )
     parser.add_argument(
         "--async-mixed-steps",

@@ -8,16 +8,14 @@ tiles stay large even with block_size 16.
 
 When num_seqs * num_kv_heads programs cannot fill the GPU (small batches), each context is
 split into partitions (flash-decoding): pass 1 writes each partition's running max, sum and
-unnormalised accumulator, and the last of a sequence's partition programs to finish (an
-atomic count per sequence and kv head) merges them; without the count, a second kernel does.
-The grid (num_splits partitions per sequence) depends only on host-known sizes (num_seqs,
-heads, a max_seq_len bound), never on device data: the wrapper never syncs, and a CUDA graph
-captured with a static bound (max_model_len) replays unchanged as seq_lens grow. Each program
-sizes its partition from its own sequence's length on the device: a sequence of L tokens uses
-min(num_splits, cdiv(L, BLOCK_N)) partitions of equal, BLOCK_N-aligned size, so a short context
-under a large bound still spreads over many programs (the earlier design sized partitions from
-the bound: batch 1 at 2,048 tokens under a 40,960 bound ran 8 programs, 5% of copy bandwidth).
-Programs past a sequence's end exit at once.
+unnormalised accumulator, pass 2 merges them. The grid (num_splits partitions per sequence)
+depends only on host-known sizes (num_seqs, heads, a max_seq_len bound), never on device data:
+the wrapper never syncs, and a CUDA graph captured with a static bound (max_model_len) replays
+unchanged as seq_lens grow. Each program sizes its partition from its own sequence's length on
+the device: a sequence of L tokens uses min(num_splits, cdiv(L, BLOCK_N)) partitions of equal,
+BLOCK_N-aligned size, so a short context under a large bound still spreads over many programs
+(the earlier design sized partitions from the bound: batch 1 at 2,048 tokens under a 40,960
+bound ran 8 programs, 5% of copy bandwidth). Programs past a sequence's end exit at once.
 Padded batch rows (seq_len 0) produce zeros, not NaNs.
 """
 
@@ -48,15 +46,11 @@ class DecodeConfig:
     # FP8 cache: both dots in fp16 rather than q's dtype (None: when q is bf16). Hopper turns
     # e4m3 into fp16 in one instruction, into bf16 only through more: 0.78x the time measured.
     f16_dots: bool | None = None
-    # Split: the last partition program of each (sequence, kv head) to finish merges the
-    # partials (an atomic count in the workspace), instead of a second kernel: one launch
-    # fewer per layer where batch 1 is launch-bound. Off by default until measured on the GPU.
-    fold_merge: bool = False
 
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, count_ptr,
+    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     num_splits,  # programs along axis 2: the most partitions a sequence may use
     stride_qs, stride_qh,
@@ -67,7 +61,6 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr,
-    FOLD_MERGE: tl.constexpr, BLOCK_P: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -77,15 +70,6 @@ def _paged_decode_kernel(
         psize = _partition_size(seq_len, num_splits, BLOCK_N)
         start = part * psize
         if start >= seq_len:
-            if FOLD_MERGE and part == 0:  # seq_len 0 (a padded row): zeros, as the merge gives
-                offs = tl.arange(0, BLOCK_H)[:, None] * stride_oh + tl.arange(0, BLOCK_D)[None, :]
-                mask = (tl.arange(0, BLOCK_H) < GROUP)[:, None] & (
-                    tl.arange(0, BLOCK_D) < HEAD_DIM
-                )[None, :]
-                zero = tl.zeros([BLOCK_H, BLOCK_D], dtype=out_ptr.dtype.element_ty)
-                tl.store(
-                    out_ptr + seq * stride_os + kvh * GROUP * stride_oh + offs, zero, mask=mask
-                )
             return  # past this sequence's end: the merge reads only partitions with tokens
         end = tl.minimum(start + psize, seq_len)
     else:
@@ -141,51 +125,10 @@ def _paged_decode_kernel(
         tl.store(m_ptr + row, m_i, mask=mask_h)
         tl.store(l_ptr + row, l_i, mask=mask_h)
         tl.store(acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_hd)
-        if FOLD_MERGE:  # the last of this group's partitions to finish merges them all
-            num_parts = tl.cdiv(seq_len, psize)
-            counter = count_ptr + seq * tl.num_programs(1) + kvh
-            # acq_rel: the partials stored above are visible to whoever counts last, and that
-            # program sees every other partition's partials.
-            done = tl.atomic_add(counter, 1, sem="acq_rel")
-            if done == num_parts - 1:
-                tl.atomic_xchg(counter, 0)  # ready for the next launch (a graph replay)
-                offs_p = tl.arange(0, BLOCK_P)
-                for h in tl.static_range(GROUP):  # .cg: other SMs wrote these partials
-                    head = kvh * GROUP + h
-                    out = _merge_head(
-                        m_ptr, l_ptr, acc_ptr, seq * stride_ps + head * stride_ph + offs_p,
-                        offs_p < num_parts, offs_d, mask_d, HEAD_DIM, ".cg",
-                    )  # fmt: skip
-                    tl.store(
-                        out_ptr + seq * stride_os + head * stride_oh + offs_d,
-                        out.to(out_ptr.dtype.element_ty),
-                        mask=mask_d,
-                    )
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         out_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_hd)
-
-
-@triton.jit
-def _merge_head(
-    m_ptr, l_ptr, acc_ptr, row, mask_p, offs_d, mask_d,
-    HEAD_DIM: tl.constexpr, CACHE: tl.constexpr,
-):  # fmt: skip
-    """One q head's output from the partials of its partitions that hold tokens (`row`: their
-    offsets, `mask_p`: which hold tokens), all loaded at once: each rescaled by
-    exp2(m_p - max m). None holding tokens (a length-0 sequence) gives zeros."""
-    m = tl.load(m_ptr + row, mask=mask_p, other=-1.0e30, cache_modifier=CACHE)
-    l_p = tl.load(l_ptr + row, mask=mask_p, other=0.0, cache_modifier=CACHE)
-    acc = tl.load(
-        acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=mask_p[:, None] & mask_d[None, :],
-        other=0.0,
-        cache_modifier=CACHE,
-    )
-    w = tl.exp2(m - tl.max(m, 0))
-    denom = tl.sum(w * l_p, 0)
-    return tl.sum(w[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)
 
 
 @triton.jit
@@ -203,18 +146,27 @@ def _paged_decode_reduce_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Merge the partitions of one (sequence, q head) that hold tokens."""
+    """Merge the partitions of one (sequence, q head) that hold tokens: rescale each by
+    exp2(m_p - max m). A sequence of length 0 has none and gets zeros."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     num_parts = tl.cdiv(seq_len, _partition_size(seq_len, num_splits, BLOCK_N))
     offs_p = tl.arange(0, BLOCK_P)
+    mask_p = offs_p < num_parts
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    out = _merge_head(
-        m_ptr, l_ptr, acc_ptr, seq * stride_ps + head * stride_ph + offs_p, offs_p < num_parts,
-        offs_d, mask_d, HEAD_DIM, "",
-    )  # fmt: skip
+    row = seq * stride_ps + head * stride_ph + offs_p
+    m = tl.load(m_ptr + row, mask=mask_p, other=-1.0e30)
+    l_p = tl.load(l_ptr + row, mask=mask_p, other=0.0)
+    acc = tl.load(
+        acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=mask_p[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    w = tl.exp2(m - tl.max(m, 0))
+    denom = tl.sum(w * l_p, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(
         out_ptr + seq * stride_os + head * stride_oh + offs_d,
         out.to(out_ptr.dtype.element_ty),
@@ -247,17 +199,13 @@ class SplitWorkspace:
     row_max: torch.Tensor  # [S, Hq, P], base-2 logits
     row_sum: torch.Tensor  # [S, Hq, P]
     acc: torch.Tensor  # [S, Hq, P, D]
-    # int32, >= S * Hkv entries, all 0 between launches: finished partitions per (seq, kv
-    # head), for `fold_merge` (None: the separate merge kernel runs).
-    count: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, num_seqs: int, num_q_heads: int, num_splits: int, head_dim: int, device):
         shape = (num_seqs, num_q_heads, num_splits)
         kw = dict(dtype=torch.float32, device=device)
-        count = torch.zeros(num_seqs * num_q_heads, dtype=torch.int32, device=device)
         return cls(torch.empty(shape, **kw), torch.empty(shape, **kw),
-                   torch.empty((*shape, head_dim), **kw), count)  # fmt: skip
+                   torch.empty((*shape, head_dim), **kw))  # fmt: skip
 
 
 def paged_decode_attention(
@@ -310,16 +258,11 @@ def paged_decode_attention(
         assert m.shape == l_sum.shape == acc.shape[:3] and acc.shape[3] == head_dim
         assert m.shape[0] >= num_seqs and m.shape[1] == num_q_heads and m.shape[2] >= num_splits
         assert m.is_contiguous() and l_sum.is_contiguous() and acc.is_contiguous()
-        count = ws.count if cfg.fold_merge else None
-        if count is not None:
-            assert count.dtype == torch.int32 and count.numel() >= num_seqs * num_kv_heads
     else:
         m = l_sum = acc = out  # unused by the single-pass kernel
-        count = None
-    fold = count is not None
     block_d = triton.next_power_of_2(head_dim)
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, kv_layer, block_tables, seq_lens, out, m, l_sum, acc, count if fold else seq_lens,
+        q, kv_layer, block_tables, seq_lens, out, m, l_sum, acc,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
@@ -331,10 +274,9 @@ def paged_decode_attention(
         IS_SPLIT=is_split, DOT_PRECISION=dot_precision(q.dtype),
         F16_DOTS=kv_layer.dtype == torch.float8_e4m3fn
         and (cfg.f16_dots if cfg.f16_dots is not None else q.dtype == torch.bfloat16),
-        FOLD_MERGE=fold, BLOCK_P=triton.next_power_of_2(num_splits),
         num_warps=cfg.num_warps, num_stages=num_stages,
     )  # fmt: skip
-    if is_split and not fold:
+    if is_split:
         _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
             m, l_sum, acc, out, seq_lens, num_splits,
             m.stride(0), m.stride(1), out.stride(0), out.stride(1),

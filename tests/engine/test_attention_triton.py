@@ -140,17 +140,17 @@ def test_engine_fused_model_path_matches_torch_path(tiny_qwen3_path):
 
 def test_engine_batch1_gemv_path_matches_torch_path(tiny_qwen3_path, monkeypatch):
     """`--fused-decode`, with every projection on kernels/gemv.py's fused forms at decode (as
-    `tune_gemv` sets them where they pay on the GPU) and split attention merged in its last
-    partition: the norms, the residual add and the SiLU-mul folded into the GEMVs still decode
-    the torch path's greedy tokens at batch 1, and batch 2 (not on them) is unchanged."""
+    `tune_gemv` sets them where they pay on the GPU): the norms, the residual add and the
+    SiLU-mul folded into the GEMVs still decode the torch path's greedy tokens at batch 1, and
+    batch 2 (not on them) is unchanged."""
     if test_device().type != "cpu":
         pytest.skip("the engine picks its own device; this is the CPU interpreter check")
     import kernels.gemv as gemv_module
     from engine.models.layers import PROJECTIONS, getattr_path
 
     prompts, params, expect = _torch_path_greedy(tiny_qwen3_path)
-    llm = LLM(str(tiny_qwen3_path))  # and split attention merged in its last partition
-    llm.engine.runner.attn_backend = TritonPagedAttention(static_max_seq_len=4096, fold_merge=True)
+    llm = LLM(str(tiny_qwen3_path))
+    llm.engine.runner.attn_backend = TritonPagedAttention(static_max_seq_len=4096)
     model = llm.engine.runner.model
     model.use_fused_kernels = True
     for layer in model.layers:

@@ -1,5 +1,5 @@
-"""Batch-1 decode graphs on kernels/gemv.py's fused GEMVs and on the folded attention merge
-give the tokens of cuBLAS and the merge kernel (GPU; fp32 so greedy ties cannot flip)."""
+"""Batch-1 decode graphs on kernels/gemv.py's fused GEMVs give the tokens of cuBLAS (GPU; fp32
+so greedy ties cannot flip)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_every_projection_on_the_gemv(tiny_qwen3_path, monkeypatch):
     import engine.models.layers as layers
     from kernels.gemv import GemvConfig
 
-    expect = _tokens(tiny_qwen3_path, fused_decode=False)  # cuBLAS, the merge kernel
+    expect = _tokens(tiny_qwen3_path, fused_decode=False)  # cuBLAS
     forced = []
 
     def every_projection(model, **_):

@@ -34,7 +34,6 @@ def compile_all() -> None:
         activation,
         fp8_gemm,
         fp8_quant,
-        gemv,
         kv_cache_write,
         prefill_attention,
         rms_norm,
@@ -50,15 +49,14 @@ def compile_all() -> None:
                                    ("*bf16", fp8, "tf32", True)):  # fmt: skip
         for split in (False, True):
             types = dict(ptrs, q_ptr=dt, kv_ptr=kv, out_ptr=dt, m_ptr="*fp32", l_ptr="*fp32",
-                         acc_ptr="*fp32", count_ptr="*i32")  # fmt: skip
+                         acc_ptr="*fp32")  # fmt: skip
             # The wrapper's defaults: 64-token tiles when split, 128 x 3 stages unsplit.
             block_n, stages = (decode.SPLIT_BLOCK_N, 2) if split else (decode.SINGLE_BLOCK_N, 3)
-            for fold in (False, True) if split else (False,):
-                cx = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_N=block_n,
-                          BLOCK_D=128, IS_SPLIT=split, DOT_PRECISION=prec,
-                          F16_DOTS=f16_dots, FOLD_MERGE=fold)  # fmt: skip
-                shared = _compile(decode._paged_decode_kernel, types, cx, num_stages=stages)
-                assert shared <= H200_SHARED_BYTES, f"decode {cx} needs {shared} B of shared memory"
+            cx = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_N=block_n,
+                      BLOCK_D=128, IS_SPLIT=split, DOT_PRECISION=prec,
+                      F16_DOTS=f16_dots)  # fmt: skip
+            shared = _compile(decode._paged_decode_kernel, types, cx, num_stages=stages)
+            assert shared <= H200_SHARED_BYTES, f"decode {cx} needs {shared} B of shared memory"
     types = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr=bf, seq_lens_ptr="*i32")
     cx = dict(HEAD_DIM=128, BLOCK_N=64, BLOCK_P=64, BLOCK_D=128)
     _compile(decode._paged_decode_reduce_kernel, types, cx)
@@ -107,16 +105,6 @@ def compile_all() -> None:
     for split_k in sorted({cfg.split_k for cfg in fp8_gemm.CANDIDATES} - {1}):
         cx = dict(HAS_BIAS=True, SPLIT_K=split_k, BLOCK=fp8_gemm.REDUCE_BLOCK)
         _compile(fp8_gemm._fp8_gemm_reduce_kernel, types, cx)
-    # batch-1 decode GEMMs with their prologues (kernels/gemv.py): every candidate tile
-    types = dict(x_ptr=bf, res_ptr=bf, res_out_ptr=bf, gamma_ptr=bf, w_ptr=bf, bias_ptr=bf,
-                 y_ptr=bf, eps="fp32")  # fmt: skip
-    for prologue, has_residual in ((gemv.NONE, False), (gemv.RMS_NORM, False),
-                                   (gemv.RMS_NORM, True), (gemv.SILU_MUL, False)):  # fmt: skip
-        for cfg in gemv.CANDIDATES:
-            cx = dict(PROLOGUE=prologue, HAS_RESIDUAL=has_residual, HAS_BIAS=False,
-                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                      REDUCE_EACH=cfg.reduce_each)  # fmt: skip
-            _compile(gemv._gemv_kernel, types, cx, cfg.num_warps, cfg.num_stages)
     # --quantization fp8 at prefill sizes: the activations' per-row quantization
     for x in (bf, "*fp32"):
         types = dict(x_ptr=x, q_ptr=fp8, scale_ptr="*fp32", fp8_max="fp32", min_scale="fp32")

@@ -19,49 +19,19 @@ SEQ_LENS = [1, 7, 33, 20]  # ragged; 7, 33 and 20 are not multiples of the block
 HEAD_DIM, BLOCK_SIZE, SCALE = 16, 4, 0.3
 
 
-@pytest.mark.parametrize("fold_merge", [True, False])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (4, 2), (8, 1)])
-def test_matches_reference(num_q_heads, num_kv_heads, num_splits, fold_merge):
+def test_matches_reference(num_q_heads, num_kv_heads, num_splits):
     dev = test_device()
     _, kv_layer, tables = make_paged_kv(SEQ_LENS, num_kv_heads, HEAD_DIM, BLOCK_SIZE, device=dev)
     seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device=dev)
     q, _, _ = packed_qkv(len(SEQ_LENS), num_q_heads, num_kv_heads, HEAD_DIM, torch.float32, dev)
-    # 3 partitions of 16 tokens; the merge in the last partition's program or a second kernel
-    cfg = DecodeConfig(block_n=16, num_splits=num_splits, fold_merge=fold_merge)
+    cfg = DecodeConfig(block_n=16, num_splits=num_splits)  # 3 partitions of 16 tokens
     out = paged_decode_attention(q, kv_layer, tables, seq_lens, SCALE, max_seq_len=33, config=cfg)
     assert max_rel_err(out, ref.decode_attention(q, kv_layer, tables, seq_lens, SCALE)) <= 1e-5
 
 
-def test_folded_merge_leaves_its_counts_at_zero_for_the_next_launch():
-    """A CUDA graph replays the kernel on the same workspace: each launch must leave every
-    count at 0, or the next one merges early (or never). Three launches, one result; then a
-    count left at 1 on purpose: the second of three partitions to finish merges and the third
-    leaves the count at 1 again, which the check sees. (Which partials that early merge reads
-    depends on timing on a GPU; the interpreter runs the programs in order, so there it reads
-    the last launch's stale ones and the output is wrong too.)"""
-    dev = test_device()
-    _, kv_layer, tables = make_paged_kv(SEQ_LENS, 2, HEAD_DIM, BLOCK_SIZE, device=dev)
-    seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device=dev)
-    q = torch.randn(len(SEQ_LENS), 4, HEAD_DIM, device=dev)
-    expect = ref.decode_attention(q, kv_layer, tables, seq_lens, SCALE)
-    ws = SplitWorkspace.allocate(len(SEQ_LENS), 4, 3, HEAD_DIM, dev)
-    cfg = DecodeConfig(block_n=16, num_splits=3, fold_merge=True)
-    for _ in range(3):
-        out = paged_decode_attention(q, kv_layer, tables, seq_lens, SCALE, workspace=ws, config=cfg)
-        assert max_rel_err(out, expect) <= 1e-5
-        assert torch.count_nonzero(ws.count) == 0
-    ws.count[2 * 2] = 1  # sequence 2 (3 partitions), kv head 0: one partition "already done"
-    q = torch.randn_like(q)  # so the last launch's partials differ from this one's
-    out = paged_decode_attention(q, kv_layer, tables, seq_lens, SCALE, workspace=ws, config=cfg)
-    assert ws.count.tolist() == [0] * 4 + [1] + [0] * (ws.count.numel() - 5)
-    if dev.type == "cpu":
-        expect = ref.decode_attention(q, kv_layer, tables, seq_lens, SCALE)
-        assert max_rel_err(out[2], expect[2]) > 1e-3
-
-
-@pytest.mark.parametrize("fold_merge", [True, False])
-def test_split_with_workspace_and_padding_rows(fold_merge):
+def test_split_with_workspace_and_padding_rows():
     """A preallocated, oversized workspace (CUDA-graph use) and padded rows (seq_len 0 -> 0)."""
     dev = test_device()
     lens = [9, 0, 30, 0]
@@ -71,7 +41,7 @@ def test_split_with_workspace_and_padding_rows(fold_merge):
     q = torch.randn(4, 4, HEAD_DIM, device=dev)
     ws = SplitWorkspace.allocate(6, 4, 8, HEAD_DIM, dev)
     out = torch.full_like(q, float("nan"))
-    cfg = DecodeConfig(block_n=16, num_splits=4, fold_merge=fold_merge)
+    cfg = DecodeConfig(block_n=16, num_splits=4)
     paged_decode_attention(q, kv_layer, tables, seq_lens, SCALE, out=out, workspace=ws, config=cfg)
     assert torch.all(out[[1, 3]] == 0)
     live = [0, 2]
