@@ -67,9 +67,9 @@ class ModelConfig:
     cudagraph_mode: str = "FULL_AND_PIECEWISE"
     # Fewer kernels per small-batch decode step (issue: batch 1 is launch-bound): batch-1 graphs
     # run the projections on kernels/gemv.py's GEMVs (norm / SiLU-mul folded in, no split-K
-    # reduce) wherever a start-up timing finds them faster than cuBLAS.
-    # Off until measured on the GPU (bench/README.md).
-    fused_decode: bool = False
+    # reduce) wherever a start-up timing finds them faster than cuBLAS. On by default since the
+    # 2026-12-05 measurements (bench/README.md): batch-1 TPOT fell on both cards and models.
+    fused_decode: bool = True
     # The HF generation_config.json contents, or {} when `generation_config="vllm"`.
     generation_config: dict[str, Any] = field(default_factory=dict)
     tokenizer: str | None = None
@@ -399,7 +399,7 @@ class EngineConfig:
         load_format: str = "auto",
         enforce_eager: bool = False,
         cudagraph_mode: str = "FULL_AND_PIECEWISE",
-        fused_decode: bool = False,
+        fused_decode: bool = True,
         generation_config: str = "auto",
         device: str = "auto",
         seed: int = 0,
