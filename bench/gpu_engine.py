@@ -51,6 +51,7 @@ VARIANTS = {
     # batch-1 decode on cuBLAS and the separate norm/act kernels (bf16 runs the fused GEMVs
     # wherever its start-up timing finds them faster)
     "no-fused-decode": {"fused_decode": False},
+    "fp8-no-fused-decode": {"quantization": "fp8", "fused_decode": False},
 }
 
 SHAPES = {

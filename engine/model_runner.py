@@ -253,15 +253,18 @@ class ModelRunner:
         padded = {k: v for k, v in tune_small_m(self.model).items() if v["pad"]}
         if padded:
             logger.info("Small-batch GEMMs padded to 8 rows where cuBLAS is faster: %s", padded)
-        if mc.fused_decode:
-            from engine.models.layers import tune_gemv
-
-            self.gemv_report = tune_gemv(self.model)
-            logger.info("Batch-1 decode GEMVs (kernels/gemv.py) vs cuBLAS: %s", self.gemv_report)
         if mc.quantization == "fp8":
             from engine.quantization import tune_fp8_small_m
 
             logger.info("FP8 weight-only decode GEMM tiles: %s", tune_fp8_small_m(self.model))
+        if mc.fused_decode:
+            from engine.models.layers import tune_gemv
+
+            self.gemv_report = tune_gemv(self.model)
+            logger.info(
+                "Batch-1 decode GEMVs (kernels/gemv.py) vs what runs without them: %s",
+                self.gemv_report,
+            )
         max_bs = min(sc.max_num_seqs, 512)
         self.attn_backend.reserve(
             max_bs,

@@ -69,8 +69,18 @@ class Fp8Linear(nn.Module):
         # The weight-only kernels' tiles as fp8_weight_gemm's arguments (`tune_fp8_small_m`
         # on CUDA at start-up; empty: their defaults).
         self.tiles: dict[str, Fp8GemmConfig] = {}
+        # Up to GEMV_ROWS rows, kernels/gemv.py with this tile and the op before it folded in,
+        # as for a 16-bit `Linear` (`tune_gemv`, `--fused-decode`).
+        self.gemv_config = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv_config is not None and x.dim() == 2:
+            from engine.models.layers import GEMV_ROWS  # (engine.models imports this module)
+            from kernels.gemv import gemv
+
+            if 0 < x.shape[0] <= GEMV_ROWS:
+                return gemv(x, self.weight, self.bias, config=self.gemv_config,
+                            weight_scale=self.weight_scale)  # fmt: skip
         if x.dim() == 2 and x.shape[0] <= WEIGHT_ONLY_MAX_M:
             if x.is_cuda:
                 x = x if x.stride(1) == 1 else x.contiguous()

@@ -1,6 +1,8 @@
 """Batch-1 decode GEMMs that own their whole reduction and fold in the op before them.
 
-y = prologue(x) @ w.T (+ bias), for one or two rows of x and a 16-bit weight w [N, K].
+y = prologue(x) @ w.T (+ bias), for one or two rows of x and a weight w [N, K] in x's dtype, or
+in FP8 e4m3 with per-output-channel fp32 scales (`--quantization fp8`'s weight-only decode
+form: y = (prologue(x) @ w_fp8.T) * w_scale (+ bias), as kernels/fp8_gemm.py's GEMV).
 
 Why: at batch 1 a decoder layer is eleven kernels, and on Qwen3-0.6B most of them are short
 enough that their count, not their bytes, sets the step time (H200, bench/profile_step:
@@ -44,10 +46,10 @@ NONE, RMS_NORM, SILU_MUL = 0, 1, 2
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, res_ptr, res_out_ptr, gamma_ptr, w_ptr, bias_ptr, y_ptr, N, K, eps,
+    x_ptr, res_ptr, res_out_ptr, gamma_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, eps,
     stride_xm, stride_rm, stride_om, stride_wn, stride_ym,
-    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE_EACH: tl.constexpr,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE_EACH: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     first_block = tl.program_id(1) == 0
@@ -94,6 +96,8 @@ def _gemv_kernel(
             acc += w.to(tl.float32) * xk[None, :]
     if not REDUCE_EACH:
         acc_n = tl.sum(acc, axis=1)
+    if HAS_SCALE:  # FP8 weight: its channel's scale, before the bias
+        acc_n = acc_n * tl.load(scale_ptr + rn, mask=n_mask, other=0.0)
     if HAS_BIAS:
         acc_n += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_ym + rn, acc_n.to(y_ptr.dtype.element_ty), mask=n_mask)
@@ -142,11 +146,16 @@ def default_config(n: int, device: torch.device) -> GemvConfig:
     return GemvConfig(2, 2048)
 
 
-def _launch(x, weight, bias, out, prologue, residual, residual_out, gamma, eps, config):
+def _launch(x, weight, bias, out, prologue, residual, residual_out, gamma, eps, config, scale):
     m = x.shape[0]
     n, k = weight.shape
     assert m <= MAX_M, f"the GEMV kernel is for at most {MAX_M} rows, got {m}"
-    assert x.stride(1) == 1 and weight.stride(1) == 1 and weight.dtype == x.dtype
+    assert x.stride(1) == 1 and weight.stride(1) == 1
+    if scale is None:
+        assert weight.dtype == x.dtype, "a weight in x's dtype, or FP8 with its weight_scale"
+    else:
+        assert weight.dtype == torch.float8_e4m3fn, "weight_scale goes with an FP8 e4m3 weight"
+        assert scale.dtype == torch.float32 and scale.numel() == n and scale.is_contiguous()
     out = gemm_output(x, n, bias, out)
     if m == 0:
         return out
@@ -155,9 +164,11 @@ def _launch(x, weight, bias, out, prologue, residual, residual_out, gamma, eps, 
     res_out = residual_out if residual_out is not None else x
     _gemv_kernel[(m, triton.cdiv(n, cfg.block_n))](
         x, res, res_out, gamma if gamma is not None else weight, weight,
-        bias if bias is not None else weight, out, n, k, eps,
+        scale if scale is not None else weight, bias if bias is not None else weight, out, n, k,
+        eps,
         x.stride(0), res.stride(0), res_out.stride(0), weight.stride(0), out.stride(0),
-        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_SCALE=scale is not None,
+        HAS_BIAS=bias is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, REDUCE_EACH=cfg.reduce_each,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -170,10 +181,12 @@ def gemv(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (M <= MAX_M) @ weight [N, K].T (+ bias) -> [M, N] in x's dtype."""
+    """x [M, K] (M <= MAX_M) @ weight [N, K].T (+ bias) -> [M, N] in x's dtype.
+    `weight_scale` (fp32, N): the weight is FP8 e4m3 and output n is scaled by it."""
     assert x.dim() == 2 and x.shape[1] == weight.shape[1], "x [M, K], weight [N, K]"
-    return _launch(x, weight, bias, out, NONE, None, None, None, 0.0, config)
+    return _launch(x, weight, bias, out, NONE, None, None, None, 0.0, config, weight_scale)
 
 
 def rms_norm_gemv(
@@ -184,6 +197,7 @@ def rms_norm_gemv(
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rms_norm(x [+ residual]) @ weight.T (+ bias). Returns (y, the new residual): x +
     residual in a new tensor (residual is None: x itself). The inputs are not written, so a
@@ -191,10 +205,12 @@ def rms_norm_gemv(
     assert x.dim() == 2 and x.shape[1] == weight.shape[1], "x [M, K], weight [N, K]"
     assert gamma.shape == (x.shape[1],) and gamma.dtype == x.dtype
     if residual is None:
-        return _launch(x, weight, bias, None, RMS_NORM, None, None, gamma, eps, config), x
+        y = _launch(x, weight, bias, None, RMS_NORM, None, None, gamma, eps, config, weight_scale)
+        return y, x
     assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
     residual_out = torch.empty_like(x)
-    y = _launch(x, weight, bias, None, RMS_NORM, residual, residual_out, gamma, eps, config)
+    y = _launch(x, weight, bias, None, RMS_NORM, residual, residual_out, gamma, eps, config,
+                weight_scale)  # fmt: skip
     return y, residual_out
 
 
@@ -203,7 +219,8 @@ def silu_mul_gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(silu(x[:, :K]) * x[:, K:]) @ weight [N, K].T (+ bias), x [M, 2K] -> [M, N]."""
     assert x.dim() == 2 and x.shape[1] == 2 * weight.shape[1], "x [M, 2K], weight [N, K]"
-    return _launch(x, weight, bias, None, SILU_MUL, None, None, None, 0.0, config)
+    return _launch(x, weight, bias, None, SILU_MUL, None, None, None, 0.0, config, weight_scale)

@@ -91,15 +91,18 @@ def tune_gemv(model: nn.Module, min_gain: float = 0.05) -> dict:
     weights in one CUDA graph (so they stream from HBM, as in a step, not from L2). Where the
     best tile is at least `min_gain` faster, every layer's projection takes it
     (`Linear.gemv_config`). Returns the timings per projection (us per layer)."""
+    from engine.quantization import Fp8Linear
     from kernels.activation import silu_and_mul
     from kernels.gemv import CANDIDATES, gemv, rms_norm_gemv, silu_mul_gemv
     from kernels.rms_norm import fused_add_rms_norm
 
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
-    if not layers or not all(isinstance(lin, Linear) for lin in _projections(layers[0])):
+    if not layers or not all(
+        isinstance(lin, Linear | Fp8Linear) for lin in _projections(layers[0])
+    ):
         return {}
     first = layers[0]
-    dev, dt = first.mlp.down_proj.weight.device, first.mlp.down_proj.weight.dtype
+    dev, dt = first.input_layernorm.weight.device, first.input_layernorm.weight.dtype
     hidden = first.input_layernorm.weight.shape[0]
     x = torch.randn(1, hidden, device=dev, dtype=dt)
     res = torch.randn(1, hidden, device=dev, dtype=dt)
@@ -115,10 +118,11 @@ def tune_gemv(model: nn.Module, min_gain: float = 0.05) -> dict:
     def fused(name, layer, cfg):
         lin, norm = getattr_path(layer, name), _norm_before(layer, name)
         if norm is not None:
-            return lambda: rms_norm_gemv(x, norm.weight, norm.eps, lin.weight, lin.bias, res, cfg)
+            return lambda: rms_norm_gemv(x, norm.weight, norm.eps, lin.weight, lin.bias, res,
+                                         cfg, _scale(lin))  # fmt: skip
         if name == "mlp.down_proj":
-            return lambda: silu_mul_gemv(gate_up, lin.weight, lin.bias, cfg)
-        return lambda: gemv(attn_out, lin.weight, lin.bias, config=cfg)
+            return lambda: silu_mul_gemv(gate_up, lin.weight, lin.bias, cfg, _scale(lin))
+        return lambda: gemv(attn_out, lin.weight, lin.bias, config=cfg, weight_scale=_scale(lin))
 
     def per_layer_us(fns) -> float:
         return graph_time_us(lambda: [f() for f in fns], reps=2, replays=5) / len(fns)
@@ -139,6 +143,11 @@ def tune_gemv(model: nn.Module, min_gain: float = 0.05) -> dict:
         report[name] = {"today_us": base, "gemv_us": times[best],
                         "tile": f"{best.block_n}x{best.block_k}", "fused": use}  # fmt: skip
     return report
+
+
+def _scale(linear) -> torch.Tensor | None:
+    """An `Fp8Linear`'s per-channel weight scales for kernels/gemv.py; None: a 16-bit weight."""
+    return getattr(linear, "weight_scale", None)
 
 
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -342,7 +351,8 @@ class DecoderLayer(nn.Module):
             return mlp.forward_fused_act(gate_up), residual
         from kernels.gemv import silu_mul_gemv
 
-        return silu_mul_gemv(gate_up, down.weight, down.bias, down.gemv_config), residual
+        y = silu_mul_gemv(gate_up, down.weight, down.bias, down.gemv_config, _scale(down))
+        return y, residual
 
     def input_norm_fused(self, x, residual):
         """The fused path before qkv_proj: RMSNorm of x (the first layer: no residual yet, x
@@ -370,9 +380,8 @@ def _norm_linear(x, residual, norm: RMSNorm, linear: Linear):
     if linear.gemv_config is not None:
         from kernels.gemv import rms_norm_gemv
 
-        return rms_norm_gemv(
-            x, norm.weight, norm.eps, linear.weight, linear.bias, residual, linear.gemv_config
-        )
+        return rms_norm_gemv(x, norm.weight, norm.eps, linear.weight, linear.bias, residual,
+                             linear.gemv_config, _scale(linear))  # fmt: skip
     from kernels.rms_norm import fused_add_rms_norm, rms_norm
 
     if residual is None:

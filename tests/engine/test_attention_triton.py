@@ -98,11 +98,12 @@ def test_a_mixed_batch_at_qwen3_8b_shapes_matches_torch_backend():
     assert norm_rel_err(out, expect) <= 1e-2
 
 
-def _torch_path_greedy(path):
+def _torch_path_greedy(path, **llm_kwargs):
     """Prompts of 21 and 35 tokens, greedy params, and the CPU torch path's tokens."""
     prompts = [list(range(3, 24)), list(range(100, 135))]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    expect = [o.outputs[0].token_ids for o in LLM(str(path)).generate(prompts, params)]
+    llm = LLM(str(path), **llm_kwargs)
+    expect = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     return prompts, params, expect
 
 
@@ -138,18 +139,20 @@ def test_engine_fused_model_path_matches_torch_path(tiny_qwen3_path):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expect
 
 
-def test_engine_batch1_gemv_path_matches_torch_path(tiny_qwen3_path, monkeypatch):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_engine_batch1_gemv_path_matches_torch_path(tiny_qwen3_path, monkeypatch, quantization):
     """`--fused-decode`, with every projection on kernels/gemv.py's fused forms at decode (as
     `tune_gemv` sets them where they pay on the GPU): the norms, the residual add and the
     SiLU-mul folded into the GEMVs still decode the torch path's greedy tokens at batch 1, and
-    batch 2 (not on them) is unchanged."""
+    batch 2 (not on them) is unchanged. With FP8 weights the GEMVs read e4m3 and scale each
+    channel, as the weight-only reference does."""
     if test_device().type != "cpu":
         pytest.skip("the engine picks its own device; this is the CPU interpreter check")
     import kernels.gemv as gemv_module
     from engine.models.layers import PROJECTIONS, getattr_path
 
-    prompts, params, expect = _torch_path_greedy(tiny_qwen3_path)
-    llm = LLM(str(tiny_qwen3_path))
+    prompts, params, expect = _torch_path_greedy(tiny_qwen3_path, quantization=quantization)
+    llm = LLM(str(tiny_qwen3_path), quantization=quantization)
     llm.engine.runner.attn_backend = TritonPagedAttention(static_max_seq_len=4096)
     model = llm.engine.runner.model
     model.use_fused_kernels = True
@@ -157,13 +160,19 @@ def test_engine_batch1_gemv_path_matches_torch_path(tiny_qwen3_path, monkeypatch
         for name in PROJECTIONS:
             getattr_path(layer, name).gemv_config = gemv_module.GemvConfig(8, 32)
         layer.gemv = True
-    launched = []
+    launched, launched_scales = [], []
     launch = gemv_module._launch
-    monkeypatch.setattr(
-        gemv_module, "_launch", lambda *a: launched.append((a[0].shape[0], a[4])) or launch(*a)
-    )
+
+    def recorded(*a):
+        launched.append((a[0].shape[0], a[4]))
+        launched_scales.append(a[10])
+        return launch(*a)
+
+    monkeypatch.setattr(gemv_module, "_launch", recorded)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expect
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params)] == expect[:1]
     prologues = {gemv_module.NONE, gemv_module.RMS_NORM, gemv_module.SILU_MUL}
     assert {p for m, p in launched if m == 1} == prologues
     assert all(m == 1 for m, _ in launched)
+    # a[10]: the weight scales, given exactly when the weights are FP8
+    assert {a is not None for a in launched_scales} == {quantization == "fp8"}

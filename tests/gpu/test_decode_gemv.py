@@ -22,11 +22,13 @@ def _tokens(path, **kw) -> list[list[int]]:
     return out
 
 
-def test_every_projection_on_the_gemv(tiny_qwen3_path, monkeypatch):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_every_projection_on_the_gemv(tiny_qwen3_path, monkeypatch, quantization):
     import engine.models.layers as layers
     from kernels.gemv import GemvConfig
 
-    expect = _tokens(tiny_qwen3_path, fused_decode=False)  # cuBLAS
+    q = {"quantization": quantization}
+    expect = _tokens(tiny_qwen3_path, fused_decode=False, **q)  # cuBLAS / FP8 weight-only
     forced = []
 
     def every_projection(model, **_):
@@ -38,7 +40,7 @@ def test_every_projection_on_the_gemv(tiny_qwen3_path, monkeypatch):
         return {}
 
     monkeypatch.setattr(layers, "tune_gemv", every_projection)
-    assert _tokens(tiny_qwen3_path, fused_decode=True) == expect
+    assert _tokens(tiny_qwen3_path, fused_decode=True, **q) == expect
     assert forced, "the decode graphs were captured without the GEMVs"
 
 

@@ -99,3 +99,29 @@ def test_more_rows_than_the_kernel_serves_is_refused():
 
 def test_candidates_are_distinct():
     assert len(set(CANDIDATES)) == len(CANDIDATES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_weight_with_channel_scales(dtype):
+    """`--quantization fp8`: an e4m3 weight with per-output-channel scales, each prologue,
+    against the weight-only reference (x @ w_fp8.T, scaled per channel, then the bias)."""
+    from engine.quantization import fp8_weight_only_reference, quantize_rows
+
+    x, w, bias = _inputs(MAX_M, 2 * K, dtype)
+    w_q, scale = quantize_rows(w[:, :K].float())  # row 3's 40x range gets its own scale
+    scale = scale.reshape(-1).contiguous()
+    gamma = (1.0 + 0.1 * torch.randn(K, generator=torch.Generator().manual_seed(1))).to(x)
+    x_k = x[:, :K].contiguous()
+
+    def expect(inp):  # on the same rounded input
+        return fp8_weight_only_reference(inp.double(), w_q, scale.double(), bias.double())
+
+    for cfg in TILES:
+        assert max_rel_err(gemv(x_k, w_q, bias, config=cfg, weight_scale=scale),
+                           expect(x_k)) <= _tol(dtype), cfg  # fmt: skip
+        y, _ = rms_norm_gemv(x_k, gamma, EPS, w_q, bias, config=cfg, weight_scale=scale)
+        assert max_rel_err(y, expect(ref.rms_norm(x_k, gamma, EPS))) <= _tol(dtype), cfg
+        out = silu_mul_gemv(x, w_q, bias, config=cfg, weight_scale=scale)
+        assert max_rel_err(out, expect(ref.silu_and_mul(x))) <= _tol(dtype), cfg
+    with pytest.raises(AssertionError, match="FP8"):
+        gemv(x_k, w_q, bias)  # an FP8 weight without its scales
