@@ -13,12 +13,12 @@ to x's dtype. The activations stay unquantized, so the result is closer to the u
 layer than the W8A8 path, not further.
 
 Two kernels:
-- `_fp8_gemv_kernel`, up to GEMV_MAX_M rows: one program per (row, BLOCK_N outputs), elementwise
-  products of the weight tile and x's slice accumulated in fp32 registers and summed once at
-  the end, or across K at every tile (`reduce_each`: fewer registers, more programs per SM);
-  no tensor cores, so no shared-memory staging of a 1-row operand. (H200: the
-  tensor-core tile at one row reached ~40% of the copy bandwidth, about bf16 cuBLAS's time for
-  half the bytes; this kernel 60-85%.)
+- up to GEMV_MAX_M rows, kernels/gemv.py's GEMV (its FP8 form, no prologue): one program per
+  (row, BLOCK_N outputs), elementwise products of the weight tile and x's slice accumulated in
+  fp32 registers and summed once at the end, or across K at every tile (`reduce_each`: fewer
+  registers, more programs per SM); no tensor cores, so no shared-memory staging of a 1-row
+  operand. (H200: the tensor-core tile at one row reached ~40% of the copy bandwidth, about
+  bf16 cuBLAS's time for half the bytes; the GEMV 60-85%.)
 - `_fp8_gemm_kernel` (tensor cores, one [BLOCK_M, BLOCK_N] tile) above that, up to MAX_M rows: each
   weight byte is read once. Over the whole of K (SPLIT_K 1) the grid is N / BLOCK_N programs,
   so BLOCK_N must be small to cover the GPU, and then every program re-reads all of x: at 32
@@ -44,44 +44,11 @@ from kernels.utils import gemm_output, graph_time_us, num_sms
 
 FP8 = torch.float8_e4m3fn
 MAX_M = 32  # the most rows these kernels are for: decode batches (x's tile fits shared memory)
-# Up to this many rows, `_fp8_gemv_kernel`. H200, Qwen3-8B's four projections (bench/fp8_gpu.py):
-# 59 us a layer at 1 row (bf16 cuBLAS: 102), 94 at 2, 162 at 4, where the tensor-core kernel
-# took ~98 at 8 rows: each further row re-reads the weight (L2 does not catch it).
+# Up to this many rows, the GEMV (kernels/gemv.py). H200, Qwen3-8B's four projections
+# (bench/fp8_gpu.py): 59 us a layer at 1 row (bf16 cuBLAS: 102), 94 at 2, 162 at 4, where the
+# tensor-core kernel took ~98 at 8 rows: each further row re-reads the weight (L2 does not
+# catch it).
 GEMV_MAX_M = 2
-
-
-@triton.jit
-def _fp8_gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K,
-    stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    REDUCE_EACH: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    rk = tl.arange(0, BLOCK_K)
-    n_mask = rn < N
-    x_row = x_ptr + row * stride_xm
-    w_rows = w_ptr + rn[:, None] * stride_wn
-    # REDUCE_EACH: sum across K at every tile (a shuffle tree per tile; fewer registers, so
-    # more programs per SM and more loads in flight), else once at the end.
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_n = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + rk
-        k_mask = k < K
-        x = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if REDUCE_EACH:
-            acc_n += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        else:
-            acc += w.to(tl.float32) * x[None, :]
-    if not REDUCE_EACH:
-        acc_n = tl.sum(acc, axis=1)
-    y = acc_n * tl.load(scale_ptr + rn, mask=n_mask, other=0.0)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -212,8 +179,8 @@ def fp8_weight_gemm(
 ) -> torch.Tensor:
     """x [M, K] (bf16, fp16 or fp32, M <= MAX_M) times e4m3 `weight` [N, K] with fp32
     `weight_scale` (N values, per output channel) -> [M, N] in x's dtype. `gemv_config` tiles
-    `_fp8_gemv_kernel` (M <= GEMV_MAX_M), `config` the tensor-core kernel up to 16 rows (one M tile
-    of 16), `config_m32` above that (one M tile of 32; `config` when not given)."""
+    kernels/gemv.py's GEMV (M <= GEMV_MAX_M), `config` the tensor-core kernel up to 16 rows (one
+    M tile of 16), `config_m32` above that (one M tile of 32; `config` when not given)."""
     assert x.dim() == 2 and weight.dim() == 2 and weight.dtype == FP8
     m, k = x.shape
     n = weight.shape[0]
@@ -227,15 +194,11 @@ def fp8_weight_gemm(
         return out
     key = tile_keyword(m)
     if key == "gemv_config":
+        from kernels.gemv import GemvConfig, gemv
+
         cfg = gemv_config or default_gemv_config(n, x.device)
-        _fp8_gemv_kernel[(m, triton.cdiv(n, cfg.block_n))](
-            x, weight, scale, bias if bias is not None else scale, out, n, k,
-            x.stride(0), weight.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            REDUCE_EACH=cfg.reduce_each,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
-        return out
+        tile = GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.reduce_each)
+        return gemv(x, weight, bias, out=out, config=tile, weight_scale=scale)
     block_m = 16 if key == "config" else MAX_M
     cfg = (config_m32 if key == "config_m32" else None) or config or default_config(n, x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: unused by 16-bit dots
