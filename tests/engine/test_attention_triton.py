@@ -169,7 +169,8 @@ def test_engine_batch1_gemv_path_matches_torch_path(tiny_qwen3_path, monkeypatch
         return launch(*a)
 
     monkeypatch.setattr(gemv_module, "_launch", recorded)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expect
+    if quantization is None:  # batch 2 does not reach the GEMVs: once is enough
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expect
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params)] == expect[:1]
     prologues = {gemv_module.NONE, gemv_module.RMS_NORM, gemv_module.SILU_MUL}
     assert {p for m, p in launched if m == 1} == prologues
