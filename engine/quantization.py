@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from kernels.fp8_gemm import MAX_M as WEIGHT_ONLY_MAX_M
-from kernels.fp8_gemm import Fp8GemmConfig, choose_tiles, fp8_weight_gemm
+from kernels.fp8_gemm import Tile, choose_tiles, fp8_weight_gemm
 from kernels.fp8_quant import FP8, FP8_MAX, MIN_SCALE, quantize_rows_fp8
 
 QUANTIZATION_METHODS = ("fp8",)
@@ -68,7 +68,7 @@ class Fp8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         # The weight-only kernels' tiles as fp8_weight_gemm's arguments (`tune_fp8_small_m`
         # on CUDA at start-up; empty: their defaults).
-        self.tiles: dict[str, Fp8GemmConfig] = {}
+        self.tiles: dict[str, Tile] = {}
         # Up to GEMV_ROWS rows, kernels/gemv.py with this tile and the op before it folded in,
         # as for a 16-bit `Linear` (`tune_gemv`, `--fused-decode`).
         self.gemv_config = None

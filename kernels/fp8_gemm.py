@@ -26,10 +26,10 @@ Two kernels:
   floor). With SPLIT_K > 1 the programs also split K, each writing an fp32 partial sum, and
   `_fp8_gemm_reduce_kernel` adds the partials, applies scale and bias, and rounds once: wide tiles
   (few reads of x) and a full grid, for one more launch.
-`Fp8GemmConfig` holds a tile choice; `choose_tiles` times the candidates of both kernels on the
-GPU once per weight shape and M tile (engine/quantization.py `tune_fp8_small_m`,
-bench/fp8_gpu.py), and `default_config` / `default_gemv_config` are the heuristics used before
-or without that.
+`Fp8GemmConfig` holds a tensor-core tile choice, kernels/gemv.py's `GemvConfig` a GEMV one;
+`choose_tiles` times the candidates of both kernels on the GPU once per weight shape and M tile
+(engine/quantization.py `tune_fp8_small_m`, bench/fp8_gpu.py), and `default_config` /
+`default_gemv_config` are the heuristics used before or without that.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gemv import GemvConfig, gemv
 from kernels.utils import gemm_output, graph_time_us, num_sms
 
 FP8 = torch.float8_e4m3fn
@@ -114,25 +115,24 @@ class Fp8GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1  # the tensor-core kernel's programs along K (1: no partials, no reduce)
-    reduce_each: bool = False  # the GEMV's REDUCE_EACH
 
 
 # What `choose_config` times on the GPU. GEMV: BLOCK_N x BLOCK_K fp32 accumulators per program
 # (16 x 512 over 128 threads: 64 registers each); wide K tiles for many loads in flight.
 GEMV_CANDIDATES = (
-    Fp8GemmConfig(16, 512, 4, 2),
-    Fp8GemmConfig(8, 1024, 4, 2),
-    Fp8GemmConfig(32, 256, 4, 2),
-    Fp8GemmConfig(16, 1024, 8, 2),
-    Fp8GemmConfig(4, 2048, 4, 2),
+    GemvConfig(16, 512, 4, 2),
+    GemvConfig(8, 1024, 4, 2),
+    GemvConfig(32, 256, 4, 2),
+    GemvConfig(16, 1024, 8, 2),
+    GemvConfig(4, 2048, 4, 2),
     # (8-warp tiles summed once at the end, (32, 512), (8, 2048), (64, 256) and (4, 4096), never
     # won on the H200: gate_up 31.8 against 31.7 us at best. Dropped from start-up tuning.)
     # Summed every tile: registers for more programs per SM.
-    Fp8GemmConfig(16, 512, 4, 2, reduce_each=True),
-    Fp8GemmConfig(8, 1024, 4, 2, reduce_each=True),
-    Fp8GemmConfig(32, 512, 8, 2, reduce_each=True),
-    Fp8GemmConfig(16, 1024, 8, 2, reduce_each=True),
-    Fp8GemmConfig(4, 2048, 4, 2, reduce_each=True),
+    GemvConfig(16, 512, 4, 2, reduce_each=True),
+    GemvConfig(8, 1024, 4, 2, reduce_each=True),
+    GemvConfig(32, 512, 8, 2, reduce_each=True),
+    GemvConfig(16, 1024, 8, 2, reduce_each=True),
+    GemvConfig(4, 2048, 4, 2, reduce_each=True),
 )
 # Tensor cores: narrow tiles for small N (a full grid), wider ones and deeper K tiles where N
 # alone fills the GPU, and wide tiles split along K (fewer reads of x, a full grid anyway).
@@ -150,12 +150,13 @@ CANDIDATES = (
     Fp8GemmConfig(32, 256, 4, 4, split_k=4),
 )
 REDUCE_BLOCK = 512  # outputs per program of `_fp8_gemm_reduce_kernel`
+Tile = Fp8GemmConfig | GemvConfig  # a tile of either kernel
 
 
-def default_gemv_config(n: int, device: torch.device) -> Fp8GemmConfig:
+def default_gemv_config(n: int, device: torch.device) -> GemvConfig:
     """16 outputs per program, or 8 where that leaves fewer than two programs per SM."""
     block_n = 16 if triton.cdiv(n, 16) >= 2 * num_sms(device) else 8
-    return Fp8GemmConfig(block_n, 512 if block_n == 16 else 1024, 4, 2)
+    return GemvConfig(block_n, 512 if block_n == 16 else 1024, 4, 2)
 
 
 def default_config(n: int, device: torch.device) -> Fp8GemmConfig:
@@ -174,7 +175,7 @@ def fp8_weight_gemm(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: Fp8GemmConfig | None = None,
-    gemv_config: Fp8GemmConfig | None = None,
+    gemv_config: GemvConfig | None = None,
     config_m32: Fp8GemmConfig | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16, fp16 or fp32, M <= MAX_M) times e4m3 `weight` [N, K] with fp32
@@ -194,11 +195,8 @@ def fp8_weight_gemm(
         return out
     key = tile_keyword(m)
     if key == "gemv_config":
-        from kernels.gemv import GemvConfig, gemv
-
         cfg = gemv_config or default_gemv_config(n, x.device)
-        tile = GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.reduce_each)
-        return gemv(x, weight, bias, out=out, config=tile, weight_scale=scale)
+        return gemv(x, weight, bias, out=out, config=cfg, weight_scale=scale)
     block_m = 16 if key == "config" else MAX_M
     cfg = (config_m32 if key == "config_m32" else None) or config or default_config(n, x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: unused by 16-bit dots
@@ -231,7 +229,7 @@ def tile_keyword(m: int) -> str:
 
 def choose_config(
     weight: torch.Tensor, weight_scale: torch.Tensor, rows: int = 1
-) -> tuple[Fp8GemmConfig, dict[Fp8GemmConfig, float]]:
+) -> tuple[Tile, dict[Tile, float]]:
     """CUDA: the fastest candidate tile for this weight at `rows` rows (bf16 input): of
     `GEMV_CANDIDATES` up to GEMV_MAX_M rows, else of `CANDIDATES`, in GPU time
     (`graph_time_us`). Returns (it, {config: microseconds})."""
@@ -249,7 +247,7 @@ def choose_config(
 
 def choose_tiles(
     weight: torch.Tensor, weight_scale: torch.Tensor
-) -> tuple[dict[str, Fp8GemmConfig], dict[str, dict[Fp8GemmConfig, float]]]:
+) -> tuple[dict[str, Tile], dict[str, dict[Tile, float]]]:
     """CUDA: both kernels' fastest tiles for this weight, as `fp8_weight_gemm`'s keyword
     arguments: the GEMV timed at one row, the tensor-core kernel at 16 and at 32 rows (its two
     M tiles). Returns (those arguments, {argument: {config: microseconds}})."""
