@@ -19,6 +19,7 @@ The engine-level figure (batch-1 TPOT with and without `--fused-decode`, same ru
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ from bench.common import print_table, write_result
 from bench.gpu_engine import SHAPES
 from bench.kernels import copy_ceiling_gbps, timer
 from kernels.activation import silu_and_mul
-from kernels.gemv import CANDIDATES, gemv, rms_norm_gemv, silu_mul_gemv
+from kernels.gemv import CANDIDATES, GemvConfig, gemv, rms_norm_gemv, silu_mul_gemv
 from kernels.rms_norm import fused_add_rms_norm
 from kernels.utils import graph_time_us
 
@@ -109,10 +110,92 @@ def bench_model(name: str, copies: int) -> dict:
     }
 
 
+# FP8 (`--fp8`): the GEMV's tiles timed with each way of turning e4m3 bytes into fp32
+# (GemvConfig.fp8_bits), including wider K tiles than the bf16 list (a byte a weight: half the
+# bytes in flight per tile).
+FP8_TILES = (
+    GemvConfig(16, 512), GemvConfig(8, 1024), GemvConfig(4, 2048), GemvConfig(32, 256),
+    GemvConfig(16, 1024, 8), GemvConfig(8, 2048), GemvConfig(4, 4096), GemvConfig(2, 4096),
+    GemvConfig(8, 1024, reduce_each=True), GemvConfig(4, 2048, reduce_each=True),
+    GemvConfig(16, 1024, 8, reduce_each=True), GemvConfig(8, 2048, reduce_each=True),
+    GemvConfig(4, 4096, reduce_each=True),
+)  # fmt: skip
+
+
+def bench_model_fp8(name: str, copies: int, copy_gbs: float) -> dict:
+    """`--quantization fp8`'s batch-1 projections: what runs today (the separate op, then
+    fp8_weight_gemm's unfused GEMV at its best tile) against the fused GEMV at every FP8 tile
+    and conversion, each next to its floor (the FP8 weight's bytes at the copy bandwidth)."""
+    from engine.quantization import quantize_rows
+    from kernels.fp8_gemm import GEMV_CANDIDATES, fp8_weight_gemm
+
+    hidden, q, kv, inter, layers = MODELS[name]
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    shapes = {"qkv": (hidden, q + 2 * kv), "o": (q, hidden), "gate_up": (hidden, 2 * inter),
+              "down": (inter, hidden)}  # fmt: skip
+    gamma = torch.ones(hidden, device=dev, dtype=dt)
+    x_h = torch.randn(1, hidden, device=dev, dtype=dt)
+    res = torch.randn(1, hidden, device=dev, dtype=dt)
+    x_q = torch.randn(1, q, device=dev, dtype=dt)
+    x_gu = torch.randn(1, 2 * inter, device=dev, dtype=dt)
+
+    def today(p, w, s, cfg):
+        if p in ("qkv", "gate_up"):
+            return lambda: fp8_weight_gemm(fused_add_rms_norm(x_h, res, gamma, EPS)[0], w, s,
+                                           gemv_config=cfg)  # fmt: skip
+        if p == "down":
+            return lambda: fp8_weight_gemm(silu_and_mul(x_gu), w, s, gemv_config=cfg)
+        return lambda: fp8_weight_gemm(x_q, w, s, gemv_config=cfg)
+
+    def fused(p, w, s, cfg):
+        if p in ("qkv", "gate_up"):
+            return lambda: rms_norm_gemv(x_h, gamma, EPS, w, residual=res, config=cfg,
+                                         weight_scale=s)  # fmt: skip
+        if p == "down":
+            return lambda: silu_mul_gemv(x_gu, w, config=cfg, weight_scale=s)
+        return lambda: gemv(x_q, w, config=cfg, weight_scale=s)
+
+    rows, out = [], {}
+    for p, (k, n) in shapes.items():
+        ws = []
+        for _ in range(copies):
+            w_q, scale = quantize_rows(torch.randn(n, k, device=dev, dtype=dt) * 0.02)
+            ws.append((w_q, scale.reshape(-1).contiguous()))
+        floor = ws[0][0].nbytes / copy_gbs / 1e3
+        base = {c: _time([today(p, w, s, c) for w, s in ws]) for c in GEMV_CANDIDATES}
+        cands = {
+            replace(c, fp8_bits=bits): _time([fused(p, w, s, replace(c, fp8_bits=bits))
+                                              for w, s in ws])
+            for bits in (0, 1, 2) for c in FP8_TILES
+        }  # fmt: skip
+        base_best = min(base, key=base.get)
+        by_bits = {
+            bits: min((c for c in cands if c.fp8_bits == bits), key=cands.get) for bits in (0, 1, 2)
+        }
+        best = min(cands, key=cands.get)
+        out[p] = {
+            "floor_us": floor, "today_us": base[base_best], "today_tile": vars(base_best),
+            "fused_best_us": cands[best], "fused_best": vars(best),
+            "fused_best_by_fp8_bits": {b: {"us": cands[c], "tile": vars(c)}
+                                       for b, c in by_bits.items()},
+            "fused_us": {str(vars(c)): t for c, t in cands.items()},
+        }  # fmt: skip
+        rows.append((name, p, f"{floor:.2f}", f"{base[base_best]:.2f}",
+                     *(f"{cands[by_bits[b]]:.2f}" for b in (0, 1, 2)), best.name))  # fmt: skip
+    layer = {key: sum(v[key] for v in out.values()) for key in ("floor_us", "today_us")}
+    layer["fused_best_us"] = sum(min(v["today_us"], v["fused_best_us"]) for v in out.values())
+    rows.append((name, "layer", *(f"{layer[k]:.2f}" for k in ("floor_us", "today_us")),
+                 "", "", f"{layer['fused_best_us']:.2f}", "best of each"))  # fmt: skip
+    return {"projections": out, **{f"layer_{k}": v for k, v in layer.items()},
+            "predicted_step_saving_ms": (layer["today_us"] - layer["fused_best_us"]) * layers / 1e3,
+            "_rows": rows}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="qwen3-0.6b,qwen3-8b")
     ap.add_argument("--copies", type=int, default=4, help="weight sets per graph (> L2)")
+    ap.add_argument("--fp8", action="store_true", help="also FP8 weights (--quantization fp8)")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -122,10 +205,20 @@ def main() -> None:
         res = bench_model(name, args.copies)
         rows += res.pop("_rows")
         results[name] = res
+    fp8_rows = []
+    if args.fp8:
+        for name in args.models.split(","):
+            res = bench_model_fp8(name, args.copies, copy_gbs)
+            fp8_rows += res.pop("_rows")
+            results[f"{name}-fp8"] = res
     print(f"copy {copy_gbs:,.0f} GB/s")
     print_table(rows, ("model", "projection", "cuBLAS (+ op) us", "fused GEMV us", "tile"))
+    if fp8_rows:
+        print_table(fp8_rows, ("model", "FP8 projection", "floor us", "today us", "hw cvt us",
+                               "fp32 bits us", "fp16 bits us", "best tile"))  # fmt: skip
     if args.out_dir:
-        write_result("fused_decode_gpu", {"models": args.models, "copies": args.copies}, results,
+        write_result("fused_decode_gpu", {"models": args.models, "copies": args.copies,
+                                          "fp8": args.fp8}, results,
                      results_dir=Path(args.out_dir))  # fmt: skip
 
 

@@ -32,7 +32,7 @@ weights, and the model uses a fused form only where it measured faster.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -50,6 +50,7 @@ def _gemv_kernel(
     stride_xm, stride_rm, stride_om, stride_wn, stride_ym,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE_EACH: tl.constexpr,
+    FP8_BITS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     first_block = tl.program_id(1) == 0
@@ -90,12 +91,26 @@ def _gemv_kernel(
         else:
             xk = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if REDUCE_EACH:  # fewer registers: more programs per SM, more loads in flight
-            acc_n += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+        if FP8_BITS == 1:  # e4m3 bytes placed in fp32's fields: w * 2^-120, x * 2^100
+            b = w.to(tl.uint32)
+            wf = (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True)
+            xk = xk * 1.2676506002282294e30
+        elif FP8_BITS == 2:  # e4m3 bytes placed in fp16's fields: w * 2^-8
+            b = w.to(tl.uint16)
+            wf = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+            wf = wf.to(tl.float32)
         else:
-            acc += w.to(tl.float32) * xk[None, :]
+            wf = w.to(tl.float32)
+        if REDUCE_EACH:  # fewer registers: more programs per SM, more loads in flight
+            acc_n += tl.sum(wf * xk[None, :], axis=1)
+        else:
+            acc += wf * xk[None, :]
     if not REDUCE_EACH:
         acc_n = tl.sum(acc, axis=1)
+    if FP8_BITS == 1:
+        acc_n = acc_n * 1048576.0  # 2^20
+    elif FP8_BITS == 2:
+        acc_n = acc_n * 256.0  # 2^8
     if HAS_SCALE:  # FP8 weight: its channel's scale, before the bias
         acc_n = acc_n * tl.load(scale_ptr + rn, mask=n_mask, other=0.0)
     if HAS_BIAS:
@@ -120,6 +135,13 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 2
     reduce_each: bool = False
+    fp8_bits: int = 0  # FP8 weight: 0 converts in hardware, 1 / 2 by bit placement (fp32 / fp16)
+
+    @property
+    def name(self) -> str:
+        warps = f"/{self.num_warps}w" if self.num_warps != 4 else ""
+        bits = f" fp8_bits={self.fp8_bits}" if self.fp8_bits else ""
+        return f"{self.block_n}x{self.block_k}{warps}{' re' if self.reduce_each else ''}{bits}"
 
 
 # What `tune_gemv` times: narrow tiles so small N still fills the GPU (Qwen3-0.6B's
@@ -137,6 +159,9 @@ CANDIDATES = (
     # any projection of Qwen3-0.6B or 8B, H200 or H100: bench/results/fused_decode_gpu-2026-12-05-*.
     # Dropped: each candidate is compiled and timed at start-up.)
 )
+
+# An FP8 weight's tiles: the same, with each way of turning its bytes into fp32.
+FP8_CANDIDATES = tuple(replace(c, fp8_bits=bits) for bits in (0, 1, 2) for c in CANDIDATES)
 
 
 def default_config(n: int, device: torch.device) -> GemvConfig:
@@ -161,6 +186,9 @@ def _launch(x, weight, bias, out, prologue, residual, residual_out, gamma, eps, 
     if m == 0:
         return out
     cfg = config or default_config(n, x.device)
+    fp8_bits = cfg.fp8_bits if scale is not None else 0
+    if fp8_bits:
+        weight = weight.view(torch.uint8)
     res = residual if residual is not None else x
     res_out = residual_out if residual_out is not None else x
     _gemv_kernel[(m, triton.cdiv(n, cfg.block_n))](
@@ -170,7 +198,7 @@ def _launch(x, weight, bias, out, prologue, residual, residual_out, gamma, eps, 
         x.stride(0), res.stride(0), res_out.stride(0), weight.stride(0), out.stride(0),
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_SCALE=scale is not None,
         HAS_BIAS=bias is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, REDUCE_EACH=cfg.reduce_each,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, REDUCE_EACH=cfg.reduce_each, FP8_BITS=fp8_bits,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

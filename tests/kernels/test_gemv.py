@@ -9,6 +9,8 @@ for bit (bf16: on the GPU; Triton's interpreter truncates where the GPU rounds).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -102,9 +104,11 @@ def test_candidates_are_distinct():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_weight_with_channel_scales(dtype):
+@pytest.mark.parametrize("fp8_bits", [0, 1, 2])
+def test_fp8_weight_with_channel_scales(dtype, fp8_bits):
     """`--quantization fp8`: an e4m3 weight with per-output-channel scales, each prologue,
-    against the weight-only reference (x @ w_fp8.T, scaled per channel, then the bias)."""
+    against the weight-only reference (x @ w_fp8.T, scaled per channel, then the bias), with
+    the weight converted in hardware and by placing its bits (`fp8_bits`)."""
     from engine.quantization import fp8_weight_only_reference, quantize_rows
 
     x, w, bias = _inputs(MAX_M, 2 * K, dtype)
@@ -116,7 +120,7 @@ def test_fp8_weight_with_channel_scales(dtype):
     def expect(inp):  # on the same rounded input
         return fp8_weight_only_reference(inp.double(), w_q, scale.double(), bias.double())
 
-    for cfg in TILES:
+    for cfg in (dataclasses.replace(t, fp8_bits=fp8_bits) for t in TILES):
         assert max_rel_err(gemv(x_k, w_q, bias, config=cfg, weight_scale=scale),
                            expect(x_k)) <= _tol(dtype), cfg  # fmt: skip
         y, _ = rms_norm_gemv(x_k, gamma, EPS, w_q, bias, config=cfg, weight_scale=scale)
