@@ -91,14 +91,16 @@ def _gemv_kernel(
         else:
             xk = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if FP8_BITS == 1:  # e4m3 bytes placed in fp32's fields: w * 2^-120, x * 2^100
-            b = w.to(tl.uint32)
-            wf = (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True)
+        # FP8_BITS: the e4m3 byte, sign-extended, shifted so that its 4 exponent and 3 mantissa
+        # bits land at the bottom of fp32's (or fp16's) fields and its sign on the sign bit, the
+        # bits between cleared: the same number times 2^-120 (2^-8), subnormals included.
+        if FP8_BITS == 1:  # mask 0x87F00000; x * 2^100 keeps the products in fp32's range
+            wb = (w.to(tl.int32) << 20) & -2014314496
+            wf = wb.to(tl.float32, bitcast=True)
             xk = xk * 1.2676506002282294e30
-        elif FP8_BITS == 2:  # e4m3 bytes placed in fp16's fields: w * 2^-8
-            b = w.to(tl.uint16)
-            wf = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
-            wf = wf.to(tl.float32)
+        elif FP8_BITS == 2:  # mask 0xBF80
+            wb = (w.to(tl.int16) << 7) & -16512
+            wf = wb.to(tl.float16, bitcast=True).to(tl.float32)
         else:
             wf = w.to(tl.float32)
         if REDUCE_EACH:  # fewer registers: more programs per SM, more loads in flight
@@ -188,7 +190,7 @@ def _launch(x, weight, bias, out, prologue, residual, residual_out, gamma, eps, 
     cfg = config or default_config(n, x.device)
     fp8_bits = cfg.fp8_bits if scale is not None else 0
     if fp8_bits:
-        weight = weight.view(torch.uint8)
+        weight = weight.view(torch.int8)
     res = residual if residual is not None else x
     res_out = residual_out if residual_out is not None else x
     _gemv_kernel[(m, triton.cdiv(n, cfg.block_n))](

@@ -95,12 +95,12 @@ def compile_all() -> None:
     types = dict(x_ptr=bf, w_ptr=fp8, scale_ptr="*fp32", bias_ptr=bf, y_ptr=bf, part_ptr="*fp32")
     # The GEMV (kernels/gemv.py): FP8 at fp8_gemm's tiles; --fused-decode's tiles with the
     # norm + residual prologue on bf16 weights, and the SiLU-mul one on FP8 weights (their
-    # bytes as uint8 where the kernel places their bits itself).
+    # bytes as int8 where the kernel places their bits itself).
     gemv_types = dict(x_ptr=bf, res_ptr=bf, res_out_ptr=bf, gamma_ptr=bf, scale_ptr="*fp32",
                       bias_ptr=bf, y_ptr=bf, eps="fp32")  # fmt: skip
     gemv_cases = [(fp8, gemv.NONE, cfg) for cfg in fp8_gemm.GEMV_CANDIDATES]
     gemv_cases += [(bf, gemv.RMS_NORM, cfg) for cfg in gemv.CANDIDATES]
-    gemv_cases += [("*u8" if cfg.fp8_bits else fp8, gemv.SILU_MUL, cfg)
+    gemv_cases += [("*i8" if cfg.fp8_bits else fp8, gemv.SILU_MUL, cfg)
                    for cfg in gemv.FP8_CANDIDATES]  # fmt: skip
     for w, prologue, cfg in gemv_cases:
         cx = dict(PROLOGUE=prologue, HAS_RESIDUAL=prologue == gemv.RMS_NORM,

@@ -129,3 +129,19 @@ def test_fp8_weight_with_channel_scales(dtype, fp8_bits):
         assert max_rel_err(out, expect(ref.silu_and_mul(x))) <= _tol(dtype), cfg
     with pytest.raises(AssertionError, match="FP8"):
         gemv(x_k, w_q, bias)  # an FP8 weight without its scales
+
+
+@pytest.mark.parametrize("fp8_bits", [0, 1, 2])
+def test_every_fp8_byte_converts_exactly(fp8_bits):
+    """Each e4m3 value (subnormals, both zeros, +-448; not the NaNs) times a one-hot x comes
+    out exactly: placing the bits is a conversion, not an approximation."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    w = codes.view(torch.float8_e4m3fn).reshape(-1, 1).repeat(1, 3).contiguous()
+    w[:, 1:] = torch.tensor(448.0).to(torch.float8_e4m3fn)  # columns x does not select
+    x = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    scale = torch.full((w.shape[0],), 0.5)
+    dev = test_device()
+    y = gemv(x.to(dev), w.to(dev), config=GemvConfig(16, 64, fp8_bits=fp8_bits),
+             weight_scale=scale.to(dev))  # fmt: skip
+    assert torch.equal(y[1].cpu(), w[:, 0].float() * 0.5)
+    assert torch.equal(y[0].cpu(), torch.full_like(y[0].cpu(), 224.0))
