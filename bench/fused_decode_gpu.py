@@ -19,12 +19,12 @@ The engine-level figure (batch-1 TPOT with and without `--fused-decode`, same ru
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+import kernels.gemv
 from bench.common import print_table, write_result
 from bench.gpu_engine import SHAPES
 from bench.kernels import copy_ceiling_gbps, timer
@@ -47,6 +47,19 @@ def _linear(x, w, pad):
     if pad:
         return F.linear(F.pad(x, (0, 0, 0, pad - x.shape[0])), w)[: x.shape[0]]
     return F.linear(x, w)
+
+
+def _chain_us(ops: dict[str, list]) -> dict[bool, float]:
+    """A layer's four GEMVs one after another (qkv, o, gate_up, down, then the next weight set's),
+    us per layer, launched with programmatic dependent launch and without."""
+    layers = list(zip(*ops.values()))
+    out = {}
+    for pdl in (False, True):
+        kernels.gemv.PDL = pdl
+        out[pdl] = graph_time_us(lambda: [op() for ls in layers for op in ls], reps=4,
+                                 replays=10) / len(layers)  # fmt: skip
+    kernels.gemv.PDL = True
+    return out
 
 
 def _time(ops) -> float:
@@ -92,10 +105,15 @@ def bench_model(name: str, copies: int) -> dict:
         out[p] = {
             "cublas_us": base[0], "cublas_pad8_us": base[8], "gemv_best_us": cands[best],
             "gemv_best": vars(best), "weight_MB": bytes_ / 1e6,
-            "gemv_us": {str(vars(c)): t for c, t in cands.items()},
+            "gemv_us": {str(vars(c)): t for c, t in cands.items()}, "_t": cands,
         }  # fmt: skip
         tile = f"{best.block_n}x{best.block_k}{' re' if best.reduce_each else ''}"
         rows.append((name, p, f"{min(base.values()):.2f}", f"{cands[best]:.2f}", tile))
+    chain = _chain_us({p: [fused(p, w, min(CANDIDATES, key=lambda c, p=p: out[p]["_t"][c]))
+                           for w in ws] for p, ws in weights.items()})  # fmt: skip
+    rows.append((name, "4 GEMVs: no PDL | PDL", f"{chain[False]:.2f}", f"{chain[True]:.2f}", ""))
+    for v in out.values():
+        v.pop("_t")
     base_layer = sum(min(v["cublas_us"], v["cublas_pad8_us"]) for v in out.values())
     best_layer = sum(
         min(v["cublas_us"], v["cublas_pad8_us"], v["gemv_best_us"]) for v in out.values()
@@ -106,13 +124,15 @@ def bench_model(name: str, copies: int) -> dict:
         "layer_cublas_us": base_layer,
         "layer_best_us": best_layer,
         "predicted_step_saving_ms": (base_layer - best_layer) * layers / 1e3,
+        "layer_gemv_chain_us": {"pdl": chain[True], "no_pdl": chain[False]},
         "_rows": rows,
     }
 
 
-# FP8 (`--fp8`): the GEMV's tiles timed with each way of turning e4m3 bytes into fp32
-# (GemvConfig.fp8_bits), including wider K tiles than the bf16 list (a byte a weight: half the
-# bytes in flight per tile).
+# FP8 (`--fp8`): the GEMV's tiles, including wider K tiles than the bf16 list (a byte a weight:
+# half the bytes in flight per tile). (Turning the e4m3 bytes into fp32 by placing their bits
+# instead of the hardware conversion was slower on every projection: H100, Qwen3-8B,
+# bench/results/fused_decode_gpu_fp8-2026-12-05-h100.json. Removed.)
 FP8_TILES = (
     GemvConfig(16, 512), GemvConfig(8, 1024), GemvConfig(4, 2048), GemvConfig(32, 256),
     GemvConfig(16, 1024, 8), GemvConfig(8, 2048), GemvConfig(4, 4096), GemvConfig(2, 4096),
@@ -155,7 +175,7 @@ def bench_model_fp8(name: str, copies: int, copy_gbs: float) -> dict:
             return lambda: silu_mul_gemv(x_gu, w, config=cfg, weight_scale=s)
         return lambda: gemv(x_q, w, config=cfg, weight_scale=s)
 
-    rows, out = [], {}
+    rows, out, chain_ops = [], {}, {}
     for p, (k, n) in shapes.items():
         ws = []
         for _ in range(copies):
@@ -163,31 +183,27 @@ def bench_model_fp8(name: str, copies: int, copy_gbs: float) -> dict:
             ws.append((w_q, scale.reshape(-1).contiguous()))
         floor = ws[0][0].nbytes / copy_gbs / 1e3
         base = {c: _time([today(p, w, s, c) for w, s in ws]) for c in GEMV_CANDIDATES}
-        cands = {
-            replace(c, fp8_bits=bits): _time([fused(p, w, s, replace(c, fp8_bits=bits))
-                                              for w, s in ws])
-            for bits in (0, 1, 2) for c in FP8_TILES
-        }  # fmt: skip
-        base_best = min(base, key=base.get)
-        by_bits = {
-            bits: min((c for c in cands if c.fp8_bits == bits), key=cands.get) for bits in (0, 1, 2)
-        }
-        best = min(cands, key=cands.get)
+        cands = {c: _time([fused(p, w, s, c) for w, s in ws]) for c in FP8_TILES}
+        base_best, best = min(base, key=base.get), min(cands, key=cands.get)
         out[p] = {
             "floor_us": floor, "today_us": base[base_best], "today_tile": vars(base_best),
             "fused_best_us": cands[best], "fused_best": vars(best),
-            "fused_best_by_fp8_bits": {b: {"us": cands[c], "tile": vars(c)}
-                                       for b, c in by_bits.items()},
             "fused_us": {str(vars(c)): t for c, t in cands.items()},
         }  # fmt: skip
-        rows.append((name, p, f"{floor:.2f}", f"{base[base_best]:.2f}",
-                     *(f"{cands[by_bits[b]]:.2f}" for b in (0, 1, 2)), best.name))  # fmt: skip
+        chain_ops[p] = [fused(p, w, s, best) for w, s in ws]
+        rows.append((name, p, f"{floor:.2f}", f"{base[base_best]:.2f}", f"{cands[best]:.2f}",
+                     best.name))  # fmt: skip
+    chain = _chain_us(chain_ops)
+    rows.append(
+        (name, "4 GEMVs: no PDL | PDL", "", f"{chain[False]:.2f}", f"{chain[True]:.2f}", "")
+    )
     layer = {key: sum(v[key] for v in out.values()) for key in ("floor_us", "today_us")}
     layer["fused_best_us"] = sum(min(v["today_us"], v["fused_best_us"]) for v in out.values())
     rows.append((name, "layer", *(f"{layer[k]:.2f}" for k in ("floor_us", "today_us")),
-                 "", "", f"{layer['fused_best_us']:.2f}", "best of each"))  # fmt: skip
+                 f"{layer['fused_best_us']:.2f}", "best of each"))  # fmt: skip
     return {"projections": out, **{f"layer_{k}": v for k, v in layer.items()},
             "predicted_step_saving_ms": (layer["today_us"] - layer["fused_best_us"]) * layers / 1e3,
+            "layer_gemv_chain_us": {"pdl": chain[True], "no_pdl": chain[False]},
             "_rows": rows}  # fmt: skip
 
 
@@ -214,8 +230,8 @@ def main() -> None:
     print(f"copy {copy_gbs:,.0f} GB/s")
     print_table(rows, ("model", "projection", "cuBLAS (+ op) us", "fused GEMV us", "tile"))
     if fp8_rows:
-        print_table(fp8_rows, ("model", "FP8 projection", "floor us", "today us", "hw cvt us",
-                               "fp32 bits us", "fp16 bits us", "best tile"))  # fmt: skip
+        print_table(fp8_rows, ("model", "FP8 projection", "floor us", "today us", "fused GEMV us",
+                               "best tile"))  # fmt: skip
     if args.out_dir:
         write_result("fused_decode_gpu", {"models": args.models, "copies": args.copies,
                                           "fp8": args.fp8}, results,

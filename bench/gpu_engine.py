@@ -52,6 +52,9 @@ VARIANTS = {
     # wherever its start-up timing finds them faster)
     "no-fused-decode": {"fused_decode": False},
     "fp8-no-fused-decode": {"quantization": "fp8", "fused_decode": False},
+    # the fused GEMVs launched as ordinary kernels, not with programmatic dependent launch
+    "no-pdl": {"gemv_pdl": False},
+    "fp8-no-pdl": {"quantization": "fp8", "gemv_pdl": False},
 }
 
 SHAPES = {
@@ -198,8 +201,12 @@ def dummy_llm(path: Path, dtype: str = "bfloat16", **llm_kwargs) -> LLM:
     )
 
 
-def bench_model(name: str, path: Path, ceil: dict, args, **llm_kwargs) -> dict:
-    """`llm_kwargs`: a variant's engine arguments (`VARIANTS`)."""
+def bench_model(name: str, path: Path, ceil: dict, args, gemv_pdl=True, **llm_kwargs) -> dict:
+    """`llm_kwargs`: a variant's engine arguments (`VARIANTS`); `gemv_pdl`: kernels.gemv.PDL
+    (this runs in a process of its own)."""
+    import kernels.gemv
+
+    kernels.gemv.PDL = gemv_pdl
     copy_bps = ceil["copy_GBps"] * 1e9
     t = time.perf_counter()
     llm = dummy_llm(path, **llm_kwargs)

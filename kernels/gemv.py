@@ -32,11 +32,12 @@ weights, and the model uses a fused form only where it measured faster.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.utils import gemm_output, num_sms
 
@@ -50,7 +51,7 @@ def _gemv_kernel(
     stride_xm, stride_rm, stride_om, stride_wn, stride_ym,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE_EACH: tl.constexpr,
-    FP8_BITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     first_block = tl.program_id(1) == 0
@@ -60,6 +61,12 @@ def _gemv_kernel(
     x_row = x_ptr + row * stride_xm
     r_row = res_ptr + row * stride_rm
     w_rows = w_ptr + rn[:, None] * stride_wn
+    # The first weight tile: no kernel writes weights, so with PDL it is read while the kernel
+    # before is still finishing; everything this kernel reads after it, or writes, waits.
+    w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+    if PDL:
+        gdc_launch_dependents()  # the next GEMV may start its own first tile now
+        gdc_wait()
     inv_rms = 1.0
     if PROLOGUE == 1:  # the row's statistic first (and the residual sum, once)
         sumsq = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -75,49 +82,47 @@ def _gemv_kernel(
         inv_rms = tl.rsqrt(tl.sum(sumsq, 0) / K + eps)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_n = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    xk = _gemv_input(x_row, r_row, gamma_ptr, rk, rk < K, K, inv_rms, PROLOGUE, HAS_RESIDUAL)
+    if REDUCE_EACH:  # fewer registers: more programs per SM, more loads in flight
+        acc_n += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+    else:
+        acc += w.to(tl.float32) * xk[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + rk
         k_mask = k < K
-        if PROLOGUE == 2:  # silu(gate) * up, rounded as kernels/activation.py does
-            gate = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
-            up = tl.load(x_row + K + k, mask=k_mask, other=0.0)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-            xk = (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype).to(tl.float32)
-        elif PROLOGUE == 1:  # rounded as kernels/rms_norm.py does
-            xv = _row_input(x_row, r_row, k, k_mask, HAS_RESIDUAL)
-            normed = (xv.to(tl.float32) * inv_rms).to(xv.dtype).to(tl.float32)
-            g = tl.load(gamma_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-            xk = (g * normed).to(xv.dtype).to(tl.float32)
-        else:
-            xk = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
+        xk = _gemv_input(x_row, r_row, gamma_ptr, k, k_mask, K, inv_rms, PROLOGUE,
+                         HAS_RESIDUAL)  # fmt: skip
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        # FP8_BITS: the e4m3 byte, sign-extended, shifted so that its 4 exponent and 3 mantissa
-        # bits land at the bottom of fp32's (or fp16's) fields and its sign on the sign bit, the
-        # bits between cleared: the same number times 2^-120 (2^-8), subnormals included.
-        if FP8_BITS == 1:  # mask 0x87F00000; x * 2^100 keeps the products in fp32's range
-            wb = (w.to(tl.int32) << 20) & -2014314496
-            wf = wb.to(tl.float32, bitcast=True)
-            xk = xk * 1.2676506002282294e30
-        elif FP8_BITS == 2:  # mask 0xBF80
-            wb = (w.to(tl.int16) << 7) & -16512
-            wf = wb.to(tl.float16, bitcast=True).to(tl.float32)
+        if REDUCE_EACH:
+            acc_n += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
         else:
-            wf = w.to(tl.float32)
-        if REDUCE_EACH:  # fewer registers: more programs per SM, more loads in flight
-            acc_n += tl.sum(wf * xk[None, :], axis=1)
-        else:
-            acc += wf * xk[None, :]
+            acc += w.to(tl.float32) * xk[None, :]
     if not REDUCE_EACH:
         acc_n = tl.sum(acc, axis=1)
-    if FP8_BITS == 1:
-        acc_n = acc_n * 1048576.0  # 2^20
-    elif FP8_BITS == 2:
-        acc_n = acc_n * 256.0  # 2^8
     if HAS_SCALE:  # FP8 weight: its channel's scale, before the bias
         acc_n = acc_n * tl.load(scale_ptr + rn, mask=n_mask, other=0.0)
     if HAS_BIAS:
         acc_n += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_ym + rn, acc_n.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _gemv_input(x_row, r_row, gamma_ptr, k, k_mask, K, inv_rms, PROLOGUE: tl.constexpr,
+                HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+    """The GEMV's input at columns k, in fp32: x, its RMSNorm, or silu(gate) * up."""
+    if PROLOGUE == 2:  # silu(gate) * up, rounded as kernels/activation.py does
+        gate = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
+        up = tl.load(x_row + K + k, mask=k_mask, other=0.0)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+        xk = (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype).to(tl.float32)
+    elif PROLOGUE == 1:  # rounded as kernels/rms_norm.py does
+        xv = _row_input(x_row, r_row, k, k_mask, HAS_RESIDUAL)
+        normed = (xv.to(tl.float32) * inv_rms).to(xv.dtype).to(tl.float32)
+        g = tl.load(gamma_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        xk = (g * normed).to(xv.dtype).to(tl.float32)
+    else:
+        xk = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
+    return xk
 
 
 @triton.jit
@@ -137,13 +142,11 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 2
     reduce_each: bool = False
-    fp8_bits: int = 0  # FP8 weight: 0 converts in hardware, 1 / 2 by bit placement (fp32 / fp16)
 
     @property
     def name(self) -> str:
         warps = f"/{self.num_warps}w" if self.num_warps != 4 else ""
-        bits = f" fp8_bits={self.fp8_bits}" if self.fp8_bits else ""
-        return f"{self.block_n}x{self.block_k}{warps}{' re' if self.reduce_each else ''}{bits}"
+        return f"{self.block_n}x{self.block_k}{warps}{' re' if self.reduce_each else ''}"
 
 
 # What `tune_gemv` times: narrow tiles so small N still fills the GPU (Qwen3-0.6B's
@@ -162,8 +165,17 @@ CANDIDATES = (
     # Dropped: each candidate is compiled and timed at start-up.)
 )
 
-# An FP8 weight's tiles: the same, with each way of turning its bytes into fp32.
-FP8_CANDIDATES = tuple(replace(c, fp8_bits=bits) for bits in (0, 1, 2) for c in CANDIDATES)
+
+# Programmatic dependent launch (sm_90+): each GEMV starts as soon as the kernel before it has
+# started all its programs, reads its first weight tile, and waits for that kernel's results
+# only then, so a chain of short kernels overlaps its launches and its first loads with the
+# tails of the kernels before. False: launched as ordinary kernels (bench/fused_decode_gpu's
+# comparison).
+PDL = True
+
+
+def use_pdl(device: torch.device) -> bool:
+    return PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def default_config(n: int, device: torch.device) -> GemvConfig:
@@ -188,11 +200,9 @@ def _launch(x, weight, bias, out, prologue, residual, residual_out, gamma, eps, 
     if m == 0:
         return out
     cfg = config or default_config(n, x.device)
-    fp8_bits = cfg.fp8_bits if scale is not None else 0
-    if fp8_bits:
-        weight = weight.view(torch.int8)
     res = residual if residual is not None else x
     res_out = residual_out if residual_out is not None else x
+    pdl = use_pdl(x.device)
     _gemv_kernel[(m, triton.cdiv(n, cfg.block_n))](
         x, res, res_out, gamma if gamma is not None else weight, weight,
         scale if scale is not None else weight, bias if bias is not None else weight, out, n, k,
@@ -200,8 +210,8 @@ def _launch(x, weight, bias, out, prologue, residual, residual_out, gamma, eps, 
         x.stride(0), res.stride(0), res_out.stride(0), weight.stride(0), out.stride(0),
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_SCALE=scale is not None,
         HAS_BIAS=bias is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, REDUCE_EACH=cfg.reduce_each, FP8_BITS=fp8_bits,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, REDUCE_EACH=cfg.reduce_each, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
 

@@ -93,7 +93,7 @@ def tune_gemv(model: nn.Module, min_gain: float = 0.05) -> dict:
     (`Linear.gemv_config`). Returns the timings per projection (us per layer)."""
     from engine.quantization import Fp8Linear
     from kernels.activation import silu_and_mul
-    from kernels.gemv import CANDIDATES, FP8_CANDIDATES, gemv, rms_norm_gemv, silu_mul_gemv
+    from kernels.gemv import CANDIDATES, gemv, rms_norm_gemv, silu_mul_gemv
     from kernels.rms_norm import fused_add_rms_norm
 
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
@@ -132,10 +132,8 @@ def tune_gemv(model: nn.Module, min_gain: float = 0.05) -> dict:
         for layer in layers:
             getattr_path(layer, name).gemv_config = None
         base = per_layer_us([today(name, layer) for layer in layers])
-        fp8 = _scale(getattr_path(first, name)) is not None
         times = {
-            cfg: per_layer_us([fused(name, layer, cfg) for layer in layers])
-            for cfg in (FP8_CANDIDATES if fp8 else CANDIDATES)
+            cfg: per_layer_us([fused(name, layer, cfg) for layer in layers]) for cfg in CANDIDATES
         }
         best = min(times, key=times.get)
         use = times[best] < (1 - min_gain) * base

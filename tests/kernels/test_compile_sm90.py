@@ -94,18 +94,17 @@ def compile_all() -> None:
     # --quantization fp8 at decode sizes: every tile of both kernels (tensor cores: 16 and 32 rows)
     types = dict(x_ptr=bf, w_ptr=fp8, scale_ptr="*fp32", bias_ptr=bf, y_ptr=bf, part_ptr="*fp32")
     # The GEMV (kernels/gemv.py): FP8 at fp8_gemm's tiles; --fused-decode's tiles with the
-    # norm + residual prologue on bf16 weights, and the SiLU-mul one on FP8 weights (their
-    # bytes as int8 where the kernel places their bits itself).
+    # norm + residual prologue on bf16 weights, and the SiLU-mul one on FP8 weights; with and
+    # without programmatic dependent launch's wait.
     gemv_types = dict(x_ptr=bf, res_ptr=bf, res_out_ptr=bf, gamma_ptr=bf, scale_ptr="*fp32",
                       bias_ptr=bf, y_ptr=bf, eps="fp32")  # fmt: skip
     gemv_cases = [(fp8, gemv.NONE, cfg) for cfg in fp8_gemm.GEMV_CANDIDATES]
-    gemv_cases += [(bf, gemv.RMS_NORM, cfg) for cfg in gemv.CANDIDATES]
-    gemv_cases += [("*i8" if cfg.fp8_bits else fp8, gemv.SILU_MUL, cfg)
-                   for cfg in gemv.FP8_CANDIDATES]  # fmt: skip
+    gemv_cases += [(w, p, cfg) for cfg in gemv.CANDIDATES
+                   for w, p in ((bf, gemv.RMS_NORM), (fp8, gemv.SILU_MUL))]  # fmt: skip
     for w, prologue, cfg in gemv_cases:
         cx = dict(PROLOGUE=prologue, HAS_RESIDUAL=prologue == gemv.RMS_NORM,
-                  HAS_SCALE=w != bf, HAS_BIAS=True, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  REDUCE_EACH=cfg.reduce_each, FP8_BITS=cfg.fp8_bits)  # fmt: skip
+                  HAS_SCALE=w == fp8, HAS_BIAS=True, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  REDUCE_EACH=cfg.reduce_each, PDL=prologue == gemv.RMS_NORM)  # fmt: skip
         _compile(gemv._gemv_kernel, dict(gemv_types, w_ptr=w), cx, cfg.num_warps, cfg.num_stages)
     for cfg in fp8_gemm.CANDIDATES:
         for block_m in (16, fp8_gemm.MAX_M):
