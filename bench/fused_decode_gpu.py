@@ -58,7 +58,7 @@ def _chain_us(ops: dict[str, list]) -> dict[bool, float]:
         kernels.gemv.PDL = pdl
         out[pdl] = graph_time_us(lambda: [op() for ls in layers for op in ls], reps=4,
                                  replays=10) / len(layers)  # fmt: skip
-    kernels.gemv.PDL = True
+    kernels.gemv.PDL = False
     return out
 
 

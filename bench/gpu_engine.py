@@ -52,9 +52,10 @@ VARIANTS = {
     # wherever its start-up timing finds them faster)
     "no-fused-decode": {"fused_decode": False},
     "fp8-no-fused-decode": {"quantization": "fp8", "fused_decode": False},
-    # the fused GEMVs launched as ordinary kernels, not with programmatic dependent launch
-    "no-pdl": {"gemv_pdl": False},
-    "fp8-no-pdl": {"quantization": "fp8", "gemv_pdl": False},
+    # the fused GEMVs launched with programmatic dependent launch (kernels.gemv.PDL; off by
+    # default until measured)
+    "pdl": {"gemv_pdl": True},
+    "fp8-pdl": {"quantization": "fp8", "gemv_pdl": True},
 }
 
 SHAPES = {
@@ -201,7 +202,7 @@ def dummy_llm(path: Path, dtype: str = "bfloat16", **llm_kwargs) -> LLM:
     )
 
 
-def bench_model(name: str, path: Path, ceil: dict, args, gemv_pdl=True, **llm_kwargs) -> dict:
+def bench_model(name: str, path: Path, ceil: dict, args, gemv_pdl=False, **llm_kwargs) -> dict:
     """`llm_kwargs`: a variant's engine arguments (`VARIANTS`); `gemv_pdl`: kernels.gemv.PDL
     (this runs in a process of its own)."""
     import kernels.gemv

@@ -169,9 +169,9 @@ CANDIDATES = (
 # Programmatic dependent launch (sm_90+): each GEMV starts as soon as the kernel before it has
 # started all its programs, reads its first weight tile, and waits for that kernel's results
 # only then, so a chain of short kernels overlaps its launches and its first loads with the
-# tails of the kernels before. False: launched as ordinary kernels (bench/fused_decode_gpu's
-# comparison).
-PDL = True
+# tails of the kernels before. Off until measured on a GPU: bench/fused_decode_gpu times a
+# layer's GEMV chain both ways, and `bench.gpu_engine --variants pdl,bf16` the engine's step.
+PDL = False
 
 
 def use_pdl(device: torch.device) -> bool:

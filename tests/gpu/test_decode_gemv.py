@@ -22,9 +22,11 @@ def _tokens(path, **kw) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_every_projection_on_the_gemv(tiny_qwen3_path, monkeypatch, quantization):
+@pytest.mark.parametrize("quantization, pdl", [(None, False), ("fp8", False), (None, True)])
+def test_every_projection_on_the_gemv(tiny_qwen3_path, monkeypatch, quantization, pdl):
+    """`pdl`: the GEMVs launched with programmatic dependent launch (kernels.gemv.PDL)."""
     import engine.models.layers as layers
+    import kernels.gemv
     from kernels.gemv import GemvConfig
 
     q = {"quantization": quantization}
@@ -40,6 +42,7 @@ def test_every_projection_on_the_gemv(tiny_qwen3_path, monkeypatch, quantization
         return {}
 
     monkeypatch.setattr(layers, "tune_gemv", every_projection)
+    monkeypatch.setattr(kernels.gemv, "PDL", pdl)
     assert _tokens(tiny_qwen3_path, fused_decode=True, **q) == expect
     assert forced, "the decode graphs were captured without the GEMVs"
 
