@@ -61,12 +61,11 @@ def _gemv_kernel(
     x_row = x_ptr + row * stride_xm
     r_row = res_ptr + row * stride_rm
     w_rows = w_ptr + rn[:, None] * stride_wn
-    # The first weight tile: no kernel writes weights, so with PDL it is read while the kernel
-    # before is still finishing; everything this kernel reads after it, or writes, waits.
-    w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
-    if PDL:
+    if PDL:  # the first weight tile (no kernel writes weights) while the kernel before finishes
+        w_first = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :],
+                          other=0.0)  # fmt: skip
         gdc_launch_dependents()  # the next GEMV may start its own first tile now
-        gdc_wait()
+        gdc_wait()  # everything read after this, or written, comes after the kernel before
     inv_rms = 1.0
     if PROLOGUE == 1:  # the row's statistic first (and the residual sum, once)
         sumsq = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -82,18 +81,19 @@ def _gemv_kernel(
         inv_rms = tl.rsqrt(tl.sum(sumsq, 0) / K + eps)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_n = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    xk = _gemv_input(x_row, r_row, gamma_ptr, rk, rk < K, K, inv_rms, PROLOGUE, HAS_RESIDUAL)
-    if REDUCE_EACH:  # fewer registers: more programs per SM, more loads in flight
-        acc_n += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
-    else:
-        acc += w.to(tl.float32) * xk[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    if PDL:
+        xk = _gemv_input(x_row, r_row, gamma_ptr, rk, rk < K, K, inv_rms, PROLOGUE, HAS_RESIDUAL)
+        if REDUCE_EACH:
+            acc_n += tl.sum(w_first.to(tl.float32) * xk[None, :], axis=1)
+        else:
+            acc += w_first.to(tl.float32) * xk[None, :]
+    for k0 in range(BLOCK_K if PDL else 0, K, BLOCK_K):
         k = k0 + rk
         k_mask = k < K
         xk = _gemv_input(x_row, r_row, gamma_ptr, k, k_mask, K, inv_rms, PROLOGUE,
                          HAS_RESIDUAL)  # fmt: skip
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if REDUCE_EACH:
+        if REDUCE_EACH:  # fewer registers: more programs per SM, more loads in flight
             acc_n += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
         else:
             acc += w.to(tl.float32) * xk[None, :]
