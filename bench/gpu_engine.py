@@ -52,10 +52,10 @@ VARIANTS = {
     # wherever its start-up timing finds them faster)
     "no-fused-decode": {"fused_decode": False},
     "fp8-no-fused-decode": {"quantization": "fp8", "fused_decode": False},
-    # the fused GEMVs launched with programmatic dependent launch (kernels.gemv.PDL; off by
-    # default until measured)
-    "pdl": {"gemv_pdl": True},
-    "fp8-pdl": {"quantization": "fp8", "gemv_pdl": True},
+    # the fused GEMVs launched without programmatic dependent launch (kernels.gemv.PDL, on by
+    # default)
+    "no-pdl": {"gemv_pdl": False},
+    "fp8-no-pdl": {"quantization": "fp8", "gemv_pdl": False},
 }
 
 SHAPES = {
@@ -202,7 +202,7 @@ def dummy_llm(path: Path, dtype: str = "bfloat16", **llm_kwargs) -> LLM:
     )
 
 
-def bench_model(name: str, path: Path, ceil: dict, args, gemv_pdl=False, **llm_kwargs) -> dict:
+def bench_model(name: str, path: Path, ceil: dict, args, gemv_pdl=True, **llm_kwargs) -> dict:
     """`llm_kwargs`: a variant's engine arguments (`VARIANTS`); `gemv_pdl`: kernels.gemv.PDL
     (this runs in a process of its own)."""
     import kernels.gemv
@@ -225,16 +225,23 @@ def bench_model(name: str, path: Path, ceil: dict, args, gemv_pdl=False, **llm_k
         "floor_ms": floor * 1e3,
         "tpot_over_floor": tpot / floor,
     }
-    if name == "qwen3-8b":
-        _, step = step_times(llm, random_prompts(64, 1024, 1), 48)
-        mem = (wb + 64 * 1032 * kv_tok) / copy_bps
-        comp = 2 * n_params * 64 / (ceil["matmul_bf16_TFLOPs"] * 1e12)
-        res["b64_ctx1024"] = {
+
+    def batch_step(llm: LLM, batch: int, ctx: int, seed: int) -> dict:
+        """A decode step of `batch` sequences of ~`ctx` tokens, next to its floors."""
+        _, step = step_times(llm, random_prompts(batch, ctx, seed), 48)
+        mem = (wb + batch * (ctx + 8) * kv_tok) / copy_bps
+        comp = 2 * n_params * batch / (ceil["matmul_bf16_TFLOPs"] * 1e12)
+        return {
             "step_ms": step * 1e3,
             "memory_floor_ms": mem * 1e3,
             "compute_floor_ms": comp * 1e3,
             "step_over_floor": step / max(mem, comp),
         }
+
+    for batch in (8, 32):  # small batches: past the GEMVs (at most 2 rows), on the GEMMs
+        res[f"b{batch}_ctx512"] = batch_step(llm, batch, 512, batch)
+    if name == "qwen3-8b":
+        res["b64_ctx1024"] = batch_step(llm, 64, 1024, 1)
         pre, _ = step_times(llm, random_prompts(1, 4096, 2), 1)
         hf = llm.config.model.hf_config
         attn = 2 * 2 * hf.num_hidden_layers * hf.num_attention_heads * 128 * 4096 * 4096 / 2
@@ -425,8 +432,11 @@ def main() -> None:
                 f"{name:12} | {variant:7} | {b1['tpot_ms']:10.2f} | {b1['floor_ms']:8.2f} | "
                 f"{b1['tpot_over_floor']:7.2f} | {r.get('hf_b1_tpot_ms', float('nan')):.1f}"
             )
-            if "b64_ctx1024" in r:
-                print(f"  b64 ctx1024 step {r['b64_ctx1024']['step_ms']:.2f} ms")
+            for key in ("b8_ctx512", "b32_ctx512", "b64_ctx1024"):
+                if key in r:
+                    b = r[key]
+                    print(f"  {key} step {b['step_ms']:.2f} ms, {b['step_over_floor']:.2f}x floor")
+            if "prefill_4096" in r:
                 print(f"  prefill 4096 {r['prefill_4096']['TFLOPs']:.0f} TFLOP/s")
             for k, v in r.items():
                 if k.startswith("offline"):

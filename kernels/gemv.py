@@ -169,9 +169,11 @@ CANDIDATES = (
 # Programmatic dependent launch (sm_90+): each GEMV starts as soon as the kernel before it has
 # started all its programs, reads its first weight tile, and waits for that kernel's results
 # only then, so a chain of short kernels overlaps its launches and its first loads with the
-# tails of the kernels before. Off until measured on a GPU: bench/fused_decode_gpu times a
-# layer's GEMV chain both ways, and `bench.gpu_engine --variants pdl,bf16` the engine's step.
-PDL = False
+# tails of the kernels before. Measured on the H100 (bench/README.md, 2026-12-05): batch-1
+# TPOT 1.085 -> 0.971 ms at Qwen3-0.6B, 5.775 -> 5.660 ms at 8B, tokens unchanged.
+# bench/fused_decode_gpu times a layer's GEMV chain both ways, `bench.gpu_engine --variants
+# bf16,no-pdl` the engine's step.
+PDL = True
 
 
 def use_pdl(device: torch.device) -> bool:

@@ -22,7 +22,8 @@ def _tokens(path, **kw) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("quantization, pdl", [(None, False), ("fp8", False), (None, True)])
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+@pytest.mark.parametrize("pdl", [False, True])
 def test_every_projection_on_the_gemv(tiny_qwen3_path, monkeypatch, quantization, pdl):
     """`pdl`: the GEMVs launched with programmatic dependent launch (kernels.gemv.PDL)."""
     import engine.models.layers as layers
