@@ -56,10 +56,6 @@ VARIANTS = {
     # default)
     "no-pdl": {"gemv_pdl": False},
     "fp8-no-pdl": {"quantization": "fp8", "gemv_pdl": False},
-    # decode steps of 2..16 rows on cuBLAS and the separate norm/act kernels instead of
-    # kernels/gemv.py's rows kernel (engine.models.layers.GEMV_MAX_ROWS)
-    "no-rows": {"gemv_rows": False},
-    "fp8-no-rows": {"quantization": "fp8", "gemv_rows": False},
 }
 
 SHAPES = {
@@ -206,17 +202,12 @@ def dummy_llm(path: Path, dtype: str = "bfloat16", **llm_kwargs) -> LLM:
     )
 
 
-def bench_model(
-    name: str, path: Path, ceil: dict, args, gemv_pdl=True, gemv_rows=True, **llm_kwargs
-) -> dict:
-    """`llm_kwargs`: a variant's engine arguments (`VARIANTS`); `gemv_pdl`: kernels.gemv.PDL;
-    `gemv_rows`: False runs no rows kernel (this runs in a process of its own)."""
-    import engine.models.layers
+def bench_model(name: str, path: Path, ceil: dict, args, gemv_pdl=True, **llm_kwargs) -> dict:
+    """`llm_kwargs`: a variant's engine arguments (`VARIANTS`); `gemv_pdl`: kernels.gemv.PDL
+    (this runs in a process of its own)."""
     import kernels.gemv
 
     kernels.gemv.PDL = gemv_pdl
-    if not gemv_rows:
-        engine.models.layers.GEMV_MAX_ROWS = engine.models.layers.GEMV_ROWS
     copy_bps = ceil["copy_GBps"] * 1e9
     t = time.perf_counter()
     llm = dummy_llm(path, **llm_kwargs)

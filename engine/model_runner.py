@@ -262,8 +262,7 @@ class ModelRunner:
 
             self.gemv_report = tune_gemv(self.model)
             logger.info(
-                'Decode GEMVs (kernels/gemv.py; batch 1, and under "rows" the rows kernel at '
-                "16 rows) vs what runs without them: %s",
+                "Batch-1 decode GEMVs (kernels/gemv.py) vs what runs without them: %s",
                 self.gemv_report,
             )
         max_bs = min(sc.max_num_seqs, 512)

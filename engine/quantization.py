@@ -72,16 +72,15 @@ class Fp8Linear(nn.Module):
         # Up to GEMV_ROWS rows, kernels/gemv.py with this tile and the op before it folded in,
         # as for a 16-bit `Linear` (`tune_gemv`, `--fused-decode`).
         self.gemv_config = None
-        self.gemv_rows_config = None  # 2..GEMV_MAX_ROWS rows: the rows kernel (`gemv_tile`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:
-            from engine.models.layers import gemv_tile  # (engine.models imports this module)
+        if self.gemv_config is not None and x.dim() == 2:
+            from engine.models.layers import GEMV_ROWS  # (engine.models imports this module)
+            from kernels.gemv import gemv
 
-            if (tile := gemv_tile(self, x.shape[0])) is not None:
-                from kernels.gemv import gemv
-
-                return gemv(x, self.weight, self.bias, config=tile, weight_scale=self.weight_scale)
+            if 0 < x.shape[0] <= GEMV_ROWS:
+                return gemv(x, self.weight, self.bias, config=self.gemv_config,
+                            weight_scale=self.weight_scale)  # fmt: skip
         if x.dim() == 2 and x.shape[0] <= WEIGHT_ONLY_MAX_M:
             if x.is_cuda:
                 x = x if x.stride(1) == 1 else x.contiguous()

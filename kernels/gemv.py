@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels.utils import gemm_output, is_interpreting, num_sms
+from kernels.utils import gemm_output, num_sms
 
 MAX_M = 2  # rows: each row's programs stream the whole weight again (L2 does not hold it)
 NONE, RMS_NORM, SILU_MUL = 0, 1, 2
@@ -135,69 +135,6 @@ def _row_input(x_row, r_row, k, k_mask, HAS_RESIDUAL: tl.constexpr):
     return xv
 
 
-@triton.jit
-def _gemv_rows_kernel(
-    x_ptr, res_ptr, res_out_ptr, gamma_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, eps,
-    stride_xm, stride_rm, stride_om, stride_wn, stride_ym,
-    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """`_gemv_kernel` for up to ROWS rows at once: one program reads its weight tile once for
-    every row and multiplies on the tensor cores (rows padded to ROWS >= 16, masked)."""
-    first_block = tl.program_id(0) == 0
-    rn = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    rm = tl.arange(0, ROWS).to(tl.int64)
-    rk = tl.arange(0, BLOCK_K)
-    n_mask = rn < N
-    m_mask = (rm < M)[:, None]
-    x_rows = x_ptr + rm[:, None] * stride_xm
-    r_rows = res_ptr + rm[:, None] * stride_rm
-    w_rows = w_ptr + rn[:, None] * stride_wn
-    cols = tl.zeros((ROWS, 1), dtype=tl.int32)  # k broadcast over the rows: [ROWS, BLOCK_K]
-    if PDL:
-        w_first = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :],
-                          other=0.0)  # fmt: skip
-        gdc_launch_dependents()
-        gdc_wait()
-    inv_rms = tl.full((ROWS, 1), 1.0, dtype=tl.float32)
-    if PROLOGUE == 1:
-        sumsq = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = cols + (k0 + rk)[None, :]
-            k_mask = m_mask & (k < K)
-            xv = _row_input(x_rows, r_rows, k, k_mask, HAS_RESIDUAL)
-            if HAS_RESIDUAL:
-                if first_block:
-                    tl.store(res_out_ptr + rm[:, None] * stride_om + k, xv, mask=k_mask)
-            xf = xv.to(tl.float32)
-            sumsq += xf * xf
-        inv_rms = tl.rsqrt(tl.sum(sumsq, 1) / K + eps)[:, None]
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    # Triton's interpreter multiplies 16-bit dot operands as integers: fp32 there (exact too).
-    in_dtype = tl.float32 if DOT_PRECISION == "ieee" else x_ptr.dtype.element_ty
-    if PDL:
-        xk = _gemv_input(x_rows, r_rows, gamma_ptr, cols + rk[None, :], m_mask & (rk < K)[None, :],
-                         K, inv_rms, PROLOGUE, HAS_RESIDUAL)  # fmt: skip
-        acc = tl.dot(xk.to(in_dtype), tl.trans(w_first.to(in_dtype)), acc,
-                     input_precision=DOT_PRECISION)  # fmt: skip
-    for k0 in range(BLOCK_K if PDL else 0, K, BLOCK_K):
-        k = k0 + rk
-        k_mask = k < K
-        xk = _gemv_input(x_rows, r_rows, gamma_ptr, cols + k[None, :], m_mask & k_mask[None, :],
-                         K, inv_rms, PROLOGUE, HAS_RESIDUAL)  # fmt: skip
-        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        # The input is in x's dtype already (the prologue rounds to it) and an e4m3 weight
-        # converts to it exactly: the tensor cores see the operands the fp32 path would.
-        acc = tl.dot(xk.to(in_dtype), tl.trans(w.to(in_dtype)), acc, input_precision=DOT_PRECISION)
-    if HAS_SCALE:
-        acc = acc * tl.load(scale_ptr + rn, mask=n_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_mask & n_mask[None, :])  # fmt: skip
-
-
 @dataclass(frozen=True)
 class GemvConfig:
     block_n: int  # outputs per program
@@ -229,30 +166,6 @@ CANDIDATES = (
 )
 
 
-@dataclass(frozen=True)
-class GemvRowsConfig:
-    """A tile of `_gemv_rows_kernel`: 2..MAX_ROWS rows (a small decode batch)."""
-
-    block_n: int  # outputs per program: at least 16 (the tensor cores' smallest N)
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 3
-
-    @property
-    def name(self) -> str:
-        return f"rows {self.block_n}x{self.block_k}/{self.num_warps}w/{self.num_stages}s"
-
-
-MAX_ROWS = 16  # the rows kernel pads to 16 (tensor cores); a decode batch of 2..16
-ROWS_CANDIDATES = (
-    GemvRowsConfig(16, 256),
-    GemvRowsConfig(16, 512),
-    GemvRowsConfig(32, 256),
-    GemvRowsConfig(16, 256, num_stages=4),
-    GemvRowsConfig(16, 128, num_stages=4),
-)
-
-
 # Programmatic dependent launch (sm_90+): each GEMV starts as soon as the kernel before it has
 # started all its programs, reads its first weight tile, and waits for that kernel's results
 # only then, so a chain of short kernels overlaps its launches and its first loads with the
@@ -278,9 +191,7 @@ def default_config(n: int, device: torch.device) -> GemvConfig:
 def _launch(x, weight, bias, out, prologue, residual, residual_out, gamma, eps, config, scale):
     m = x.shape[0]
     n, k = weight.shape
-    rows = isinstance(config, GemvRowsConfig)
-    limit = MAX_ROWS if rows else MAX_M
-    assert m <= limit, f"the GEMV kernel with {config} is for at most {limit} rows, got {m}"
+    assert m <= MAX_M, f"the GEMV kernel is for at most {MAX_M} rows, got {m}"
     assert x.stride(1) == 1 and weight.stride(1) == 1
     if scale is None:
         assert weight.dtype == x.dtype, "a weight in x's dtype, or FP8 with its weight_scale"
@@ -294,20 +205,6 @@ def _launch(x, weight, bias, out, prologue, residual, residual_out, gamma, eps, 
     res = residual if residual is not None else x
     res_out = residual_out if residual_out is not None else x
     pdl = use_pdl(x.device)
-    if rows:
-        _gemv_rows_kernel[(triton.cdiv(n, cfg.block_n),)](
-            x, res, res_out, gamma if gamma is not None else weight, weight,
-            scale if scale is not None else weight, bias if bias is not None else weight, out, m,
-            n, k, eps,
-            x.stride(0), res.stride(0), res_out.stride(0), weight.stride(0), out.stride(0),
-            PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_SCALE=scale is not None,
-            HAS_BIAS=bias is not None, ROWS=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 or is_interpreting() else "tf32",
-            PDL=pdl,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **({"launch_pdl": True} if pdl else {}),
-        )  # fmt: skip
-        return out
     _gemv_kernel[(m, triton.cdiv(n, cfg.block_n))](
         x, res, res_out, gamma if gamma is not None else weight, weight,
         scale if scale is not None else weight, bias if bias is not None else weight, out, n, k,
@@ -326,11 +223,10 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    config: GemvConfig | GemvRowsConfig | None = None,
+    config: GemvConfig | None = None,
     weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] in x's dtype; M <= MAX_M, or MAX_ROWS
-    with a GemvRowsConfig.
+    """x [M, K] (M <= MAX_M) @ weight [N, K].T (+ bias) -> [M, N] in x's dtype.
     `weight_scale` (fp32, N): the weight is FP8 e4m3 and output n is scaled by it."""
     assert x.dim() == 2 and x.shape[1] == weight.shape[1], "x [M, K], weight [N, K]"
     return _launch(x, weight, bias, out, NONE, None, None, None, 0.0, config, weight_scale)
@@ -343,7 +239,7 @@ def rms_norm_gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
-    config: GemvConfig | GemvRowsConfig | None = None,
+    config: GemvConfig | None = None,
     weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rms_norm(x [+ residual]) @ weight.T (+ bias). Returns (y, the new residual): x +
@@ -365,7 +261,7 @@ def silu_mul_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    config: GemvConfig | GemvRowsConfig | None = None,
+    config: GemvConfig | None = None,
     weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(silu(x[:, :K]) * x[:, K:]) @ weight [N, K].T (+ bias), x [M, 2K] -> [M, N]."""

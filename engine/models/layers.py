@@ -20,19 +20,6 @@ from kernels.utils import graph_time_us
 # Decode steps of this many rows run the fused GEMVs where `tune_gemv` set them: it times one
 # row (the kernel takes up to kernels.gemv.MAX_M, but each further row streams the weight again).
 GEMV_ROWS = 1
-# Decode steps of GEMV_ROWS + 1 to this many rows run kernels/gemv.py's rows kernel (the weight
-# read once for all rows, tensor cores) where `tune_gemv` set it: it times this many rows.
-GEMV_MAX_ROWS = 16
-
-
-def gemv_tile(linear: nn.Module, m: int):
-    """The kernels/gemv.py tile `tune_gemv` gave `linear` for a step of m rows; None: none
-    (cuBLAS, or the FP8 kernels, after the separate op)."""
-    if 0 < m <= GEMV_ROWS:
-        return linear.gemv_config
-    if GEMV_ROWS < m <= GEMV_MAX_ROWS:
-        return linear.gemv_rows_config
-    return None
 
 
 class Linear(nn.Linear):
@@ -48,15 +35,14 @@ class Linear(nn.Linear):
     # before qkv/gate_up, the SiLU-mul before down), as kernels/gemv.py's kernel with this
     # tile. Set by `tune_gemv` where it measured faster than cuBLAS plus that op.
     gemv_config = None
-    gemv_rows_config = None  # the same, GEMV_ROWS + 1 to GEMV_MAX_ROWS rows (`gemv_tile`)
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`out`: write the result there (a CUDA graph's static buffer) without a copy."""
         m = x.shape[0]
-        if out is None and (tile := gemv_tile(self, m)) is not None:
+        if self.gemv_config is not None and out is None and 0 < m <= GEMV_ROWS:
             from kernels.gemv import gemv
 
-            return gemv(x, self.weight, self.bias, config=tile)
+            return gemv(x, self.weight, self.bias, config=self.gemv_config)
         if 0 < m < self.pad_rows_to:
             y = F.linear(F.pad(x, (0, 0, 0, self.pad_rows_to - m)), self.weight, self.bias)[:m]
             return y if out is None else out.copy_(y)
@@ -104,44 +90,24 @@ def tune_gemv(model: nn.Module, min_gain: float = 0.05) -> dict:
     it) against kernels/gemv.py's fused form at each candidate tile, over every layer's own
     weights in one CUDA graph (so they stream from HBM, as in a step, not from L2). Where the
     best tile is at least `min_gain` faster, every layer's projection takes it
-    (`Linear.gemv_config`). Then the same at GEMV_MAX_ROWS rows for the rows kernel
-    (`Linear.gemv_rows_config`, steps of 2 to GEMV_MAX_ROWS rows: its cost hardly depends on
-    the rows, cuBLAS's grows with them at most). Returns the timings per projection (us per
-    layer); the rows kernel's under "rows"."""
+    (`Linear.gemv_config`). Returns the timings per projection (us per layer)."""
     from engine.quantization import Fp8Linear
-    from kernels.gemv import CANDIDATES, ROWS_CANDIDATES
+    from kernels.activation import silu_and_mul
+    from kernels.gemv import CANDIDATES, gemv, rms_norm_gemv, silu_mul_gemv
+    from kernels.rms_norm import fused_add_rms_norm
 
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     if not layers or not all(
         isinstance(lin, Linear | Fp8Linear) for lin in _projections(layers[0])
     ):
         return {}
-    report = _tune_gemv_rows(layers, 1, "gemv_config", CANDIDATES, min_gain)
-    if GEMV_MAX_ROWS > GEMV_ROWS:  # (bench/gpu_engine.py's no-rows variants set them equal)
-        rows = _tune_gemv_rows(layers, GEMV_MAX_ROWS, "gemv_rows_config", ROWS_CANDIDATES,
-                               min_gain)  # fmt: skip
-        for name, row in rows.items():
-            report[name]["rows"] = row
-    for layer in layers:
-        layer.gemv = any(lin.gemv_config is not None for lin in _projections(layer))
-        layer.gemv_rows = any(lin.gemv_rows_config is not None for lin in _projections(layer))
-    return report
-
-
-def _tune_gemv_rows(layers, m: int, attr: str, candidates, min_gain: float) -> dict:
-    """`tune_gemv` at m rows: sets each projection's `attr` to its best of `candidates` where
-    that was at least `min_gain` faster than the unfused path."""
-    from kernels.activation import silu_and_mul
-    from kernels.gemv import gemv, rms_norm_gemv, silu_mul_gemv
-    from kernels.rms_norm import fused_add_rms_norm
-
     first = layers[0]
     dev, dt = first.input_layernorm.weight.device, first.input_layernorm.weight.dtype
     hidden = first.input_layernorm.weight.shape[0]
-    x = torch.randn(m, hidden, device=dev, dtype=dt)
-    res = torch.randn(m, hidden, device=dev, dtype=dt)
-    attn_out = torch.randn(m, first.self_attn.q_size, device=dev, dtype=dt)
-    gate_up = torch.randn(m, 2 * first.mlp.intermediate_size, device=dev, dtype=dt)
+    x = torch.randn(1, hidden, device=dev, dtype=dt)
+    res = torch.randn(1, hidden, device=dev, dtype=dt)
+    attn_out = torch.randn(1, first.self_attn.q_size, device=dev, dtype=dt)
+    gate_up = torch.randn(1, 2 * first.mlp.intermediate_size, device=dev, dtype=dt)
 
     def today(name, layer):
         lin, norm = getattr_path(layer, name), _norm_before(layer, name)
@@ -164,15 +130,16 @@ def _tune_gemv_rows(layers, m: int, attr: str, candidates, min_gain: float) -> d
     report = {}
     for name in PROJECTIONS:
         for layer in layers:
-            setattr(getattr_path(layer, name), attr, None)
+            getattr_path(layer, name).gemv_config = None
         base = per_layer_us([today(name, layer) for layer in layers])
         times = {
-            cfg: per_layer_us([fused(name, layer, cfg) for layer in layers]) for cfg in candidates
+            cfg: per_layer_us([fused(name, layer, cfg) for layer in layers]) for cfg in CANDIDATES
         }
         best = min(times, key=times.get)
         use = times[best] < (1 - min_gain) * base
         for layer in layers:
-            setattr(getattr_path(layer, name), attr, best if use else None)
+            getattr_path(layer, name).gemv_config = best if use else None
+            layer.gemv = any(lin.gemv_config is not None for lin in _projections(layer))
         report[name] = {"today_us": base, "gemv_us": times[best],
                         "tile": best.name, "fused": use}  # fmt: skip
     return report
@@ -339,7 +306,6 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     gemv: bool = False  # some projection has a GEMV tile (`tune_gemv`)
-    gemv_rows: bool = False  # some projection has a rows-kernel tile (2..GEMV_MAX_ROWS rows)
 
     def __init__(self, config: PretrainedConfig, head_dim: int, qk_norm: bool):
         super().__init__()
@@ -359,8 +325,7 @@ class DecoderLayer(nn.Module):
     def forward_fused(self, x, residual, positions, cos_sin_cache, kv_layer, meta, backend):
         """CUDA, vLLM-style: the residual add is fused into the next RMSNorm. Returns
         (x, residual) with the layer's output = x + residual."""
-        m = x.shape[0]
-        if (self.gemv and m <= GEMV_ROWS) or (self.gemv_rows and GEMV_ROWS < m <= GEMV_MAX_ROWS):
+        if self.gemv and x.shape[0] <= GEMV_ROWS:
             return self._forward_gemv(
                 x, residual, positions, cos_sin_cache, kv_layer, meta, backend
             )
@@ -369,10 +334,10 @@ class DecoderLayer(nn.Module):
         return self.mlp_fused(x, residual)
 
     def _forward_gemv(self, x, residual, positions, cos_sin_cache, kv_layer, meta, backend):
-        """Batch 1 (GEMV_ROWS) or a small batch (to GEMV_MAX_ROWS): each projection that
-        `tune_gemv` gave a tile for this many rows folds in the op before it (kernels/gemv.py),
-        the others run as in `forward_fused`. The residual is a new tensor where a norm is
-        folded in (the GEMV's inputs stay unwritten), in place otherwise."""
+        """Batch 1 (GEMV_ROWS): each projection that `tune_gemv` gave a GEMV tile
+        folds in the op before it (kernels/gemv.py), the others run as in `forward_fused`.
+        The residual is a new tensor where a norm is folded in (the GEMV's inputs stay
+        unwritten), in place otherwise."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = _norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
         q, k, v = attn.rope_store(qkv, positions, cos_sin_cache, kv_layer, meta.slot_mapping)
@@ -381,13 +346,13 @@ class DecoderLayer(nn.Module):
         gate_up, residual = _norm_linear(
             x, residual, self.post_attention_layernorm, mlp.gate_up_proj
         )
-        tile = gemv_tile(mlp.down_proj, gate_up.shape[0])
-        if tile is None:
+        down = mlp.down_proj
+        if down.gemv_config is None:
             return mlp.forward_fused_act(gate_up), residual
         from kernels.gemv import silu_mul_gemv
 
-        down = mlp.down_proj
-        return silu_mul_gemv(gate_up, down.weight, down.bias, tile, _scale(down)), residual
+        y = silu_mul_gemv(gate_up, down.weight, down.bias, down.gemv_config, _scale(down))
+        return y, residual
 
     def input_norm_fused(self, x, residual):
         """The fused path before qkv_proj: RMSNorm of x (the first layer: no residual yet, x
@@ -412,11 +377,11 @@ class DecoderLayer(nn.Module):
 def _norm_linear(x, residual, norm: RMSNorm, linear: Linear):
     """linear(rms_norm(x [+ residual])) and the new residual: in one GEMV kernel where the
     linear has a tile (`tune_gemv`), else the (fused add +) RMSNorm kernel, then the GEMM."""
-    if (tile := gemv_tile(linear, x.shape[0])) is not None:
+    if linear.gemv_config is not None:
         from kernels.gemv import rms_norm_gemv
 
         return rms_norm_gemv(x, norm.weight, norm.eps, linear.weight, linear.bias, residual,
-                             tile, _scale(linear))  # fmt: skip
+                             linear.gemv_config, _scale(linear))  # fmt: skip
     from kernels.rms_norm import fused_add_rms_norm, rms_norm
 
     if residual is None:

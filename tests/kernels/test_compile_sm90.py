@@ -106,16 +106,6 @@ def compile_all() -> None:
                   HAS_SCALE=w == fp8, HAS_BIAS=True, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   REDUCE_EACH=cfg.reduce_each, PDL=prologue == gemv.RMS_NORM)  # fmt: skip
         _compile(gemv._gemv_kernel, dict(gemv_types, w_ptr=w), cx, cfg.num_warps, cfg.num_stages)
-    # The small-batch rows kernel (tensor cores at 16 rows) at every candidate tile, each prologue
-    rows_weights = ((bf, gemv.RMS_NORM), (fp8, gemv.SILU_MUL), (fp8, gemv.NONE))
-    rows_cases = [(w, p, cfg) for cfg in gemv.ROWS_CANDIDATES for w, p in rows_weights]
-    for w, prologue, cfg in rows_cases:
-        cx = dict(PROLOGUE=prologue, HAS_RESIDUAL=prologue == gemv.RMS_NORM,
-                  HAS_SCALE=w == fp8, HAS_BIAS=True, ROWS=gemv.MAX_ROWS, BLOCK_N=cfg.block_n,
-                  BLOCK_K=cfg.block_k, DOT_PRECISION="tf32", PDL=prologue != gemv.NONE)  # fmt: skip
-        shared = _compile(gemv._gemv_rows_kernel, dict(gemv_types, w_ptr=w), cx, cfg.num_warps,
-                          cfg.num_stages)  # fmt: skip
-        assert shared <= H200_SHARED_BYTES, f"gemv rows {cfg} needs {shared} B of shared memory"
     for cfg in fp8_gemm.CANDIDATES:
         for block_m in (16, fp8_gemm.MAX_M):
             cx = dict(HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

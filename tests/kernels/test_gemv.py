@@ -1,5 +1,4 @@
-"""The batch-1 GEMV kernels (kernels/gemv.py) against the separate ops they fold together, and
-the small-batch rows kernel (2..MAX_ROWS rows on the tensor cores) against the same references.
+"""The batch-1 GEMV kernels (kernels/gemv.py) against the separate ops they fold together.
 
 Reference: the torch path of the model (kernels/reference.py's RMSNorm and SiLU-and-mul, then
 x @ w.T), computed in float64 on the same rounded inputs, so in fp32 the only error allowed is the
@@ -14,17 +13,7 @@ import pytest
 import torch
 
 from kernels import reference as ref
-from kernels.gemv import (
-    CANDIDATES,
-    MAX_M,
-    MAX_ROWS,
-    ROWS_CANDIDATES,
-    GemvConfig,
-    GemvRowsConfig,
-    gemv,
-    rms_norm_gemv,
-    silu_mul_gemv,
-)
+from kernels.gemv import CANDIDATES, MAX_M, GemvConfig, gemv, rms_norm_gemv, silu_mul_gemv
 from kernels.utils import is_interpreting
 from tests.kernels.helpers import max_rel_err, test_device
 
@@ -32,11 +21,6 @@ EPS = 1e-6
 # K not a multiple of any tile's K, N not a multiple of any tile's N: the masks are exercised.
 K, N = 200, 37
 TILES = [GemvConfig(16, 64), GemvConfig(4, 128, reduce_each=True), GemvConfig(2, 256)]
-ROWS_TILES = [GemvRowsConfig(16, 64), GemvRowsConfig(32, 128)]
-# (tiles, rows): the one-row kernel at its most rows; the rows kernel at a batch that is not a
-# power of two (its padded rows masked) and at its most rows.
-KERNELS = [(TILES, MAX_M), (ROWS_TILES, 5), (ROWS_TILES, MAX_ROWS)]
-KERNEL_IDS = ["gemv", "rows5", "rows16"]
 
 
 def _inputs(m: int, k: int, dtype: torch.dtype, seed: int = 0):
@@ -61,10 +45,8 @@ def _tol(dtype: torch.dtype) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "m, cfg", [(m, c) for m in (1, MAX_M) for c in TILES] + [(m, c) for m in (1, 5, MAX_ROWS)
-                                                           for c in ROWS_TILES], ids=str,
-)  # fmt: skip
+@pytest.mark.parametrize("m", [1, MAX_M])
+@pytest.mark.parametrize("cfg", TILES, ids=str)
 def test_gemv_matches_matmul(dtype, m, cfg):
     x, w, bias = _inputs(m, K, dtype)
     for b in (None, bias):
@@ -75,19 +57,18 @@ def test_gemv_matches_matmul(dtype, m, cfg):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("tiles, m", KERNELS, ids=KERNEL_IDS)
-def test_rms_norm_gemv_matches_norm_then_matmul(dtype, with_residual, tiles, m):
-    x, w, bias = _inputs(m, K, dtype)
+def test_rms_norm_gemv_matches_norm_then_matmul(dtype, with_residual):
+    x, w, bias = _inputs(MAX_M, K, dtype)
     dev = x.device
     gamma = (1.0 + 0.1 * torch.randn(K, generator=torch.Generator().manual_seed(1))).to(dtype)
     gamma = gamma.to(dev)
-    residual = torch.randn(m, K, generator=torch.Generator().manual_seed(2)).to(dtype).to(dev)
+    residual = torch.randn(MAX_M, K, generator=torch.Generator().manual_seed(2)).to(dtype).to(dev)
     x_before, res_before = x.clone(), residual.clone()
     if with_residual:
         normed, expect_res = ref.fused_add_rms_norm(x.clone(), residual.clone(), gamma, EPS)
     else:
         normed, expect_res = ref.rms_norm(x, gamma, EPS), x
-    for cfg in tiles:
+    for cfg in TILES:
         y, new_res = rms_norm_gemv(x, gamma, EPS, w, bias, residual if with_residual else None,
                                    config=cfg)  # fmt: skip
         assert max_rel_err(y, _matmul(normed, w, bias)) <= _tol(dtype), cfg
@@ -100,12 +81,11 @@ def test_rms_norm_gemv_matches_norm_then_matmul(dtype, with_residual, tiles, m):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tiles, m", KERNELS, ids=KERNEL_IDS)
-def test_silu_mul_gemv_matches_activation_then_matmul(dtype, tiles, m):
-    x, w, bias = _inputs(m, 2 * K, dtype)
+def test_silu_mul_gemv_matches_activation_then_matmul(dtype):
+    x, w, bias = _inputs(MAX_M, 2 * K, dtype)
     w = w[:, :K].contiguous()
     act = ref.silu_and_mul(x)
-    for cfg in tiles:
+    for cfg in TILES:
         for b in (None, bias):
             out = silu_mul_gemv(x, w, b, config=cfg)
             assert max_rel_err(out, _matmul(act, w, b)) <= _tol(dtype), cfg
@@ -115,25 +95,19 @@ def test_more_rows_than_the_kernel_serves_is_refused():
     x, w, _ = _inputs(MAX_M + 1, K, torch.float32)
     with pytest.raises(AssertionError, match="at most"):
         gemv(x, w)
-    x, w, _ = _inputs(MAX_ROWS + 1, K, torch.float32)
-    with pytest.raises(AssertionError, match="at most 16"):
-        gemv(x, w, config=ROWS_TILES[0])
 
 
 def test_candidates_are_distinct():
     assert len(set(CANDIDATES)) == len(CANDIDATES)
-    assert len(set(ROWS_CANDIDATES)) == len(ROWS_CANDIDATES)
-    assert all(c.block_n >= 16 for c in ROWS_CANDIDATES)  # the tensor cores' smallest N
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tiles, m", KERNELS, ids=KERNEL_IDS)
-def test_fp8_weight_with_channel_scales(dtype, tiles, m):
+def test_fp8_weight_with_channel_scales(dtype):
     """`--quantization fp8`: an e4m3 weight with per-output-channel scales, each prologue,
     against the weight-only reference (x @ w_fp8.T, scaled per channel, then the bias)."""
     from engine.quantization import fp8_weight_only_reference, quantize_rows
 
-    x, w, bias = _inputs(m, 2 * K, dtype)
+    x, w, bias = _inputs(MAX_M, 2 * K, dtype)
     w_q, scale = quantize_rows(w[:, :K].float())  # row 3's 40x range gets its own scale
     scale = scale.reshape(-1).contiguous()
     gamma = (1.0 + 0.1 * torch.randn(K, generator=torch.Generator().manual_seed(1))).to(x)
@@ -142,7 +116,7 @@ def test_fp8_weight_with_channel_scales(dtype, tiles, m):
     def expect(inp):  # on the same rounded input
         return fp8_weight_only_reference(inp.double(), w_q, scale.double(), bias.double())
 
-    for cfg in tiles:
+    for cfg in TILES:
         assert max_rel_err(gemv(x_k, w_q, bias, config=cfg, weight_scale=scale),
                            expect(x_k)) <= _tol(dtype), cfg  # fmt: skip
         y, _ = rms_norm_gemv(x_k, gamma, EPS, w_q, bias, config=cfg, weight_scale=scale)
@@ -150,4 +124,4 @@ def test_fp8_weight_with_channel_scales(dtype, tiles, m):
         out = silu_mul_gemv(x, w_q, bias, config=cfg, weight_scale=scale)
         assert max_rel_err(out, expect(ref.silu_and_mul(x))) <= _tol(dtype), cfg
     with pytest.raises(AssertionError, match="FP8"):
-        gemv(x_k, w_q, bias, config=tiles[0])  # an FP8 weight without its scales
+        gemv(x_k, w_q, bias)  # an FP8 weight without its scales
