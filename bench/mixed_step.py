@@ -72,15 +72,20 @@ def timed_steps(llm: LLM, num_steps: int) -> tuple[list[float], list[int]]:
     return times, prompt_tokens
 
 
-def gpu_ms_per_step(llm: LLM, num_steps: int) -> float:
-    """Summed CUDA kernel time of `num_steps` engine steps, per step."""
+def gpu_ms_per_step(llm: LLM, num_steps: int, top: int = 12) -> tuple[float, list[dict]]:
+    """Summed CUDA kernel time of `num_steps` engine steps, per step, and the `top` kernels by
+    their share of it (name, ms and launches per step)."""
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(num_steps):
             llm.engine.step()
         torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return total_us / 1e3 / num_steps
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    total_us = sum(e.self_device_time_total for e in events)
+    kernels = [{"kernel": e.key[:120], "ms_per_step": e.self_device_time_total / 1e3 / num_steps,
+                "launches_per_step": e.count / num_steps} for e in events[:top]]  # fmt: skip
+    return total_us / 1e3 / num_steps, kernels
 
 
 def host_profile(llm: LLM, num_steps: int, top: int = 25) -> list[dict]:
@@ -136,7 +141,7 @@ def point(
         "mixed_step_ms": 1e3 * statistics.median(mixed),
     }
     if ceil is not None:
-        res["mixed_gpu_ms"] = gpu_ms_per_step(llm, steps)
+        res["mixed_gpu_ms"], res["mixed_kernels"] = gpu_ms_per_step(llm, steps)
         res["mixed_host_exposed_ms"] = res["mixed_step_ms"] - res["mixed_gpu_ms"]
         weights = llm.engine.runner.weights_bytes
         flops = 2 * param_count(llm) * (batch + chunk)
@@ -190,7 +195,8 @@ def main() -> None:
                     results["capture"][mode] = capture_stats(llms[chunk])
                 res = point(llms[chunk], batch, ctx, chunk, ceil, i, args.host_profile)
                 results["points"].append({"cudagraph_mode": mode, **res})
-                print({k: v for k, v in results["points"][-1].items() if k != "host_top"},
+                print({k: v for k, v in results["points"][-1].items()
+               if k not in ("host_top", "mixed_kernels")},
                       flush=True)  # fmt: skip
             llms.clear()  # the next engine needs the memory
     config = {"model_shape": "tiny" if args.tiny else "qwen3-8b", "weights": "dummy",
@@ -206,6 +212,14 @@ def main() -> None:
     print_table(
         rows, ("graphs", "decodes x ctx + chunk", "decode ms", "mixed ms", "GPU ms", "roofline ms")
     )
+    for r in results["points"]:
+        if r.get("mixed_kernels"):
+            print(f"GPU, {r['cudagraph_mode']}, {r['batch']} x {r['ctx']} + {r['chunk']}: "
+                  "ms per step, launches")  # fmt: skip
+            for k in r["mixed_kernels"][:8]:
+                print(
+                    f"  {k['ms_per_step']:6.2f} {k['launches_per_step']:5.0f}  {k['kernel'][:70]}"
+                )
     for r in results["points"]:
         if "host_top" in r:
             print(f"host, {r['cudagraph_mode']}, {r['batch']} x {r['ctx']} + {r['chunk']}: "
