@@ -199,6 +199,11 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if request.num_output_tokens >= request.max_tokens:
+                # Async scheduling: its last token is in the step in flight (a placeholder);
+                # it finishes when that step is read. Scheduling it again would make this
+                # step synchronous, delaying every other row's token by a step.
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget, cap)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
             prefilling = request.num_computed_tokens < request.num_prompt_tokens
