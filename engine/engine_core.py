@@ -45,7 +45,7 @@ from engine.model_runner import LaunchedStep, ModelRunner
 from engine.outputs import EngineCoreOutput
 from engine.request import PLACEHOLDER, Request, RequestStatus
 from engine.sampler import skip_sampler_step
-from engine.scheduler import Scheduler, SchedulerFullError
+from engine.scheduler import Scheduler, SchedulerFullError, SchedulerOutput
 from engine.spec_decode import NgramProposer, SpecDecodeStats
 from engine.structured_output import StructuredOutputManager
 
@@ -90,6 +90,9 @@ class EngineCore:
         # KV queues them as the scheduler queues local prompts, instead of refusing.
         self.awaiting_blocks: dict[str, Request] = {}
         self._pending: LaunchedStep | None = None  # async scheduling: launched, not read
+        # Async scheduling: a step scheduled while one was in flight that must run
+        # synchronously; it runs at the next call, once the in-flight step's tokens are out.
+        self._deferred: SchedulerOutput | None = None
         self.structured = StructuredOutputManager(config.model, config.device)
         # Constrained requests whose grammar is compiling (in `scheduler.requests`, not queued).
         self.compiling: dict[str, Request] = {}
@@ -205,6 +208,13 @@ class EngineCore:
         return admitted + self._step()
 
     def _step(self) -> list[EngineCoreOutput]:
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            # Requests finished or aborted since it was scheduled drop out; their blocks are
+            # already free (nothing was launched for them).
+            deferred.scheduled = [s for s in deferred.scheduled if not s.request.is_finished]
+            if deferred.scheduled:
+                return self._execute(deferred)
         pending, self._pending = self._pending, None
         if pending is not None and not self._may_pipeline():
             return self._resolve(pending)
@@ -228,13 +238,14 @@ class EngineCore:
                     # Grammar rows: their matchers have just taken step N's tokens (or a stop
                     # or a rejection made the row a wasted one); N+1's masks follow from them.
                     self.runner.launch_sampling(launched)
-        outputs = []
         if pending is not None:
+            # The step in flight is read first; its tokens go out now, and this step runs at
+            # the next call. Running it here would hold them back for a whole step: every
+            # stream would see an inter-token gap of two steps, then one of zero.
             outputs = self._resolve(pending)
-            sched.scheduled = [s for s in sched.scheduled if not s.request.is_finished]
-            if not sched.scheduled:
-                return outputs
-        return outputs + self._execute(sched)
+            self._deferred = sched
+            return outputs
+        return self._execute(sched)
 
     def _may_pipeline(self) -> bool:
         """Launching before resolving needs a scheduler that cannot preempt (every running

@@ -134,36 +134,71 @@ def test_abort_while_a_step_is_in_flight(engines):
     assert core.kv.num_free_blocks == free_before
 
 
+def _tokens_per_step(core, requests, join=None) -> tuple[dict, dict, list[dict[str, int]]]:
+    """Step `core` until done; each request's tokens and finish reason, and per engine step how
+    many tokens each request got. `join`: (request id, after how many tokens, request) added
+    once that request has that many."""
+    for r in requests:
+        core.add_request(r)
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    finish: dict[str, str] = {}
+    per_step: list[dict[str, int]] = []
+    while core.has_unfinished_requests():
+        counts: dict[str, int] = {}
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
+            if out.finish_reason is not None:
+                finish[out.request_id] = out.finish_reason
+        per_step.append(counts)
+        if join is not None and len(tokens[join[0]]) >= join[1]:
+            core.add_request(join[2])
+            join = None
+    return tokens, finish, per_step
+
+
 def test_a_row_at_max_tokens_does_not_delay_the_others(engines):
     """A row whose last token is in the step in flight needs no further step: the next step is
     launched ahead without it, and every other row still gets one token per engine step. (It
     was scheduled again, which made that step synchronous: the in-flight step's tokens went out
-    only with the next step's, an inter-token gap of two steps then one of zero; on an H100 at
-    64 streams ITL p99 was 4.8x its p50.) Tokens and finish reasons stay the sync engine's."""
+    only with the next step's, an inter-token gap of two steps then one of zero.) Tokens and
+    finish reasons stay the sync engine's."""
     sync, asyn = engines
     greedy = dict(temperature=0, ignore_eos=True)
     params = [SamplingParams(max_tokens=n, **greedy) for n in (3, 6, 9, 20)]
     prompts = PROMPTS[:4]
     expect = [o.outputs[0] for o in sync.generate(prompts, params)]
-    core = asyn.engine
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        core.add_request(Request(f"row{i}", prompt, p))
-    tokens: dict[str, list[int]] = {f"row{i}": [] for i in range(len(prompts))}
-    finish: dict[str, str] = {}
-    per_step: list[dict[str, int]] = []
-    while core.has_unfinished_requests():
-        counts = {}
-        for out in core.step():
-            tokens[out.request_id] += out.new_token_ids
-            counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
-            if out.finish_reason is not None:
-                finish[out.request_id] = out.finish_reason
-        per_step.append(counts)
-    for i, e in enumerate(expect):
-        assert tokens[f"row{i}"] == e.token_ids
-        assert finish[f"row{i}"] == e.finish_reason == "length"
+    requests = [Request(f"row{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    tokens, finish, per_step = _tokens_per_step(asyn.engine, requests)
+    for r, e in zip(requests, expect):
+        assert tokens[r.request_id] == e.token_ids
+        assert finish[r.request_id] == e.finish_reason == "length"
     bunched = [c for c in per_step if max(c.values(), default=0) > 1]
     assert not bunched, f"tokens of two steps went out in one: {bunched}"
+
+
+def test_a_step_that_must_run_in_sync_does_not_delay_the_tokens_in_flight(engines):
+    """A request with logprobs joins pipelined decodes: its steps cannot be launched ahead, so
+    the step in flight is read first and the next runs synchronously. The tokens read go out
+    at once, not with the synchronous step's: one token per engine step for every row. The
+    same tokens and logprobs as the sync engine."""
+    sync, asyn = engines
+    greedy = dict(temperature=0, ignore_eos=True)
+    long = SamplingParams(max_tokens=16, **greedy)
+    probe = SamplingParams(max_tokens=4, logprobs=2, **greedy)
+    expect_long = [o.outputs[0].token_ids for o in sync.generate(PROMPTS[:2], long)]
+    (expect_probe,) = sync.generate(PROMPTS[4:5], probe)
+    requests = [Request(f"row{i}", p, long) for i, p in enumerate(PROMPTS[:2])]
+    joiner = Request("probe", PROMPTS[4], probe)
+    tokens, finish, per_step = _tokens_per_step(asyn.engine, requests, ("row0", 5, joiner))
+    assert [tokens["row0"], tokens["row1"]] == expect_long
+    assert tokens["probe"] == expect_probe.outputs[0].token_ids
+    assert joiner.logprobs and len(joiner.logprobs) == 4
+    for got, want in zip(joiner.logprobs, expect_probe.outputs[0].logprobs):
+        assert got.keys() == want.keys() and all(abs(got[t] - want[t]) < 1e-5 for t in got)
+    bunched = [c for c in per_step if max(c.values(), default=0) > 1]
+    assert not bunched, f"tokens of two steps went out in one: {bunched}"
+    assert not asyn.engine.has_unfinished_requests()
 
 
 def test_pipelines_while_requests_wait_for_a_slot(tiny_qwen3_path):
