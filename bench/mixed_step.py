@@ -195,9 +195,9 @@ def main() -> None:
                     results["capture"][mode] = capture_stats(llms[chunk])
                 res = point(llms[chunk], batch, ctx, chunk, ceil, i, args.host_profile)
                 results["points"].append({"cudagraph_mode": mode, **res})
-                print({k: v for k, v in results["points"][-1].items()
-               if k not in ("host_top", "mixed_kernels")},
-                      flush=True)  # fmt: skip
+                shown = {k: v for k, v in results["points"][-1].items()
+                         if k not in ("host_top", "mixed_kernels")}  # fmt: skip
+                print(shown, flush=True)
             llms.clear()  # the next engine needs the memory
     config = {"model_shape": "tiny" if args.tiny else "qwen3-8b", "weights": "dummy",
               "points": args.points, "tiny": args.tiny, "cudagraph_modes": modes}  # fmt: skip

@@ -11,9 +11,12 @@ stop checks and output work overlap the GPU. A launched step appends a `PLACEHOL
 of its requests (the scheduler then sees the token as present); the graph reads the unread
 token on the device. Resolving fills the placeholders and applies the stops; a request that
 stops at N has one wasted row in N+1, whose output is dropped, and its blocks are freed only
-once N+1 is done (nothing may reuse a block that a running step still writes). Any step that
-is not a greedy decode batch (prefill, sampling, logprobs, logit bias, waiting requests, a
-pool that might preempt, a request that could pass max_tokens) resolves the pending step first.
+once N+1 is done (nothing may reuse a block that a running step still writes). A request
+whose last token (max_tokens) is in the step in flight is not scheduled again. A step that
+cannot be launched ahead (rows with logprobs, logit bias or penalties, prompt logprobs, a pool
+that might preempt; prompt chunks or sampled rows with `async_mixed_steps` / `async_sampling`
+off) resolves the pending step first and returns its tokens at once; the step itself runs
+synchronously at the next call, so that no stream's token waits for it.
 
 Structured outputs: a constrained request waits in `compiling` (known to the scheduler by id,
 not queued) until its grammar is compiled off this thread; `step()` then activates its matcher

@@ -134,47 +134,33 @@ def test_abort_while_a_step_is_in_flight(engines):
     assert core.kv.num_free_blocks == free_before
 
 
-def _tokens_per_step(core, requests, join=None) -> tuple[dict, dict, list[dict[str, int]]]:
-    """Step `core` until done; each request's tokens and finish reason, and per engine step how
-    many tokens each request got. `join`: (request id, after how many tokens, request) added
-    once that request has that many."""
-    for r in requests:
-        core.add_request(r)
-    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    finish: dict[str, str] = {}
-    per_step: list[dict[str, int]] = []
-    while core.has_unfinished_requests():
-        counts: dict[str, int] = {}
-        for out in core.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
-            if out.finish_reason is not None:
-                finish[out.request_id] = out.finish_reason
-        per_step.append(counts)
-        if join is not None and len(tokens[join[0]]) >= join[1]:
-            core.add_request(join[2])
-            join = None
-    return tokens, finish, per_step
-
-
-def test_a_row_at_max_tokens_does_not_delay_the_others(engines):
+def test_a_row_at_max_tokens_does_not_delay_the_others(engines, monkeypatch):
     """A row whose last token is in the step in flight needs no further step: the next step is
     launched ahead without it, and every other row still gets one token per engine step. (It
     was scheduled again, which made that step synchronous: the in-flight step's tokens went out
-    only with the next step's, an inter-token gap of two steps then one of zero.) Tokens and
-    finish reasons stay the sync engine's."""
+    only with the next step's, an inter-token gap of two steps then one of zero.) No step runs
+    synchronously; tokens and finish reasons stay the sync engine's."""
     sync, asyn = engines
     greedy = dict(temperature=0, ignore_eos=True)
     params = [SamplingParams(max_tokens=n, **greedy) for n in (3, 6, 9, 20)]
     prompts = PROMPTS[:4]
     expect = [o.outputs[0] for o in sync.generate(prompts, params)]
-    requests = [Request(f"row{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-    tokens, finish, per_step = _tokens_per_step(asyn.engine, requests)
-    for r, e in zip(requests, expect):
-        assert tokens[r.request_id] == e.token_ids
-        assert finish[r.request_id] == e.finish_reason == "length"
+    per_step: list[dict[str, int]] = []
+    runner, synchronous = asyn.engine.runner, []
+    execute = runner.execute
+
+    def counted(sched, kv):
+        synchronous.append(len(sched.scheduled))
+        return execute(sched, kv)
+
+    monkeypatch.setattr(runner, "execute", counted)
+    got = _drive(asyn, [(f"row{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))],
+                 per_step=per_step)  # fmt: skip
+    for i, e in enumerate(expect):
+        assert got[f"row{i}"] == (e.token_ids, "length") and e.finish_reason == "length"
     bunched = [c for c in per_step if max(c.values(), default=0) > 1]
     assert not bunched, f"tokens of two steps went out in one: {bunched}"
+    assert synchronous == [], f"steps of these many rows ran synchronously: {synchronous}"
 
 
 def test_a_step_that_must_run_in_sync_does_not_delay_the_tokens_in_flight(engines):
@@ -188,14 +174,20 @@ def test_a_step_that_must_run_in_sync_does_not_delay_the_tokens_in_flight(engine
     probe = SamplingParams(max_tokens=4, logprobs=2, **greedy)
     expect_long = [o.outputs[0].token_ids for o in sync.generate(PROMPTS[:2], long)]
     (expect_probe,) = sync.generate(PROMPTS[4:5], probe)
-    requests = [Request(f"row{i}", p, long) for i, p in enumerate(PROMPTS[:2])]
-    joiner = Request("probe", PROMPTS[4], probe)
-    tokens, finish, per_step = _tokens_per_step(asyn.engine, requests, ("row0", 5, joiner))
-    assert [tokens["row0"], tokens["row1"]] == expect_long
-    assert tokens["probe"] == expect_probe.outputs[0].token_ids
-    assert joiner.logprobs and len(joiner.logprobs) == 4
-    for got, want in zip(joiner.logprobs, expect_probe.outputs[0].logprobs):
-        assert got.keys() == want.keys() and all(abs(got[t] - want[t]) < 1e-5 for t in got)
+    per_step: list[dict[str, int]] = []
+    logprobs: dict[str, list[dict[int, float]]] = {}
+    requests = [
+        ("row0", PROMPTS[0], long),
+        ("row1", PROMPTS[1], long),
+        ("probe", PROMPTS[4], probe),
+    ]
+    got = _drive(asyn, requests, join_after=5, per_step=per_step, logprobs=logprobs)
+    assert [got["row0"][0], got["row1"][0]] == expect_long
+    assert got["probe"][0] == expect_probe.outputs[0].token_ids
+    assert len(logprobs["probe"]) == 4
+    for got_lp, want in zip(logprobs["probe"], expect_probe.outputs[0].logprobs):
+        assert got_lp.keys() == want.keys()
+        assert all(abs(got_lp[t] - want[t]) < 1e-5 for t in got_lp)
     bunched = [c for c in per_step if max(c.values(), default=0) > 1]
     assert not bunched, f"tokens of two steps went out in one: {bunched}"
     assert not asyn.engine.has_unfinished_requests()
@@ -237,27 +229,41 @@ def _spy_split_steps(llm: LLM, monkeypatch) -> list[list[str]]:
     return steps
 
 
-def _drive(llm: LLM, requests: list[tuple[str, list[int], SamplingParams]], join_after: int):
-    """Run the first requests to the end; the last one joins once the first has `join_after`
-    tokens (the same point of the output in either engine). Grammars are compiled first, so
-    that when a request enters the batch does not hang on a compile's timing. Returns each
-    request's tokens and finish reason."""
+def _drive(
+    llm: LLM,
+    requests: list[tuple[str, list[int], SamplingParams]],
+    join_after: int | None = None,
+    per_step: list[dict[str, int]] | None = None,
+    logprobs: dict[str, list[dict[int, float]]] | None = None,
+):
+    """Run the requests to the end. With `join_after`, the last one joins once the first has
+    that many tokens (the same point of the output in either engine). Grammars are compiled
+    first, so that when a request enters the batch does not hang on a compile's timing.
+    `per_step` gets, for each engine step, how many tokens each request received; `logprobs`,
+    each request's sampled-token logprobs. Returns each request's tokens and finish reason."""
     core = llm.engine
     for _, _, p in requests:
         if p.structured_outputs is not None:
             core.structured.start(p.structured_outputs).compiled.result()
-    *first, joiner = [Request(rid, ids, p, llm.eos_token_ids) for rid, ids, p in requests]
+    made = [Request(rid, ids, p, llm.eos_token_ids) for rid, ids, p in requests]
+    first, joiner = (made[:-1], made[-1]) if join_after is not None else (made, None)
     for r in first:
         core.add_request(r)
-    tokens: dict[str, list[int]] = {r.request_id: [] for r in [*first, joiner]}
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in made}
     finish: dict[str, str] = {}
     while core.has_unfinished_requests():
+        counts: dict[str, int] = {}
         for out in core.step():
             tokens[out.request_id] += out.new_token_ids
+            counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
+            if logprobs is not None:
+                logprobs.setdefault(out.request_id, []).extend(out.new_logprobs)
             if out.finish_reason is not None:
                 finish[out.request_id] = out.finish_reason
-        if joiner.request_id not in core.scheduler.requests and not joiner.is_finished:
-            if len(tokens[first[0].request_id]) >= join_after:
+        if per_step is not None:
+            per_step.append(counts)
+        if joiner is not None and joiner.request_id not in core.scheduler.requests:
+            if not joiner.is_finished and len(tokens[first[0].request_id]) >= join_after:
                 core.add_request(joiner)
     return {rid: (tokens[rid], finish.get(rid)) for rid in tokens}
 
