@@ -145,6 +145,7 @@ def test_a_row_at_max_tokens_does_not_delay_the_others(engines, monkeypatch):
     params = [SamplingParams(max_tokens=n, **greedy) for n in (3, 6, 9, 20)]
     prompts = PROMPTS[:4]
     expect = [o.outputs[0] for o in sync.generate(prompts, params)]
+    free_before = asyn.engine.kv.num_free_blocks
     per_step: list[dict[str, int]] = []
     runner, synchronous = asyn.engine.runner, []
     execute = runner.execute
@@ -161,6 +162,7 @@ def test_a_row_at_max_tokens_does_not_delay_the_others(engines, monkeypatch):
     bunched = [c for c in per_step if max(c.values(), default=0) > 1]
     assert not bunched, f"tokens of two steps went out in one: {bunched}"
     assert synchronous == [], f"steps of these many rows ran synchronously: {synchronous}"
+    assert asyn.engine.kv.num_free_blocks == free_before
 
 
 def test_a_step_that_must_run_in_sync_does_not_delay_the_tokens_in_flight(engines):
@@ -174,6 +176,7 @@ def test_a_step_that_must_run_in_sync_does_not_delay_the_tokens_in_flight(engine
     probe = SamplingParams(max_tokens=4, logprobs=2, **greedy)
     expect_long = [o.outputs[0].token_ids for o in sync.generate(PROMPTS[:2], long)]
     (expect_probe,) = sync.generate(PROMPTS[4:5], probe)
+    free_before = asyn.engine.kv.num_free_blocks
     per_step: list[dict[str, int]] = []
     logprobs: dict[str, list[dict[int, float]]] = {}
     requests = [
@@ -191,6 +194,37 @@ def test_a_step_that_must_run_in_sync_does_not_delay_the_tokens_in_flight(engine
     bunched = [c for c in per_step if max(c.values(), default=0) > 1]
     assert not bunched, f"tokens of two steps went out in one: {bunched}"
     assert not asyn.engine.has_unfinished_requests()
+    assert asyn.engine.kv.num_free_blocks == free_before
+
+
+def test_abort_of_a_request_in_a_deferred_step(engines):
+    """The synchronous step waiting for the next call holds a request that is aborted before
+    it runs: it runs without that request, whose blocks come back; the others' tokens are the
+    sync engine's."""
+    sync, asyn = engines
+    greedy = dict(temperature=0, ignore_eos=True)
+    long = SamplingParams(max_tokens=12, **greedy)
+    expect = sync.generate([PROMPTS[0]], long)[0].outputs[0].token_ids
+    core = asyn.engine
+    free_before = core.kv.num_free_blocks
+    core.add_request(Request("keep", PROMPTS[0], long))
+    tokens: list[int] = []
+    aborted = False
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.request_id == "keep":
+                tokens += out.new_token_ids
+        if len(tokens) == 4 and "probe" not in core.scheduler.requests and not aborted:
+            probe = SamplingParams(max_tokens=4, logprobs=2, **greedy)
+            core.add_request(Request("probe", PROMPTS[4], probe))
+        if core._deferred is not None and not aborted:
+            assert "probe" in [s.request.request_id for s in core._deferred.scheduled]
+            assert core.abort_request("probe")
+            aborted = True
+    assert aborted, "the probe's step was deferred"
+    assert tokens == expect
+    assert core.kv.num_free_blocks == free_before
+    assert core.kv.req_to_blocks == {}
 
 
 def test_pipelines_while_requests_wait_for_a_slot(tiny_qwen3_path):
