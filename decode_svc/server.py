@@ -68,6 +68,7 @@ class DecodeServicer(decode_mux.DecodeServicer, Draining):
     ):
         self.prefill = prefill  # kv_both: the Prefill service on the same engine
         self.engine = engine
+        engine.observe_itl = INTER_TOKEN_LATENCY.observe  # per engine step, see OutputStream
         self.kv = kv
         self.core: EngineCore = engine.core
         self.agent = agent
@@ -113,17 +114,13 @@ class DecodeServicer(decode_mux.DecodeServicer, Draining):
                     timings.local_prefill = True
                     self.counters["num_local_prefills"] += 1
                     stream = self.engine.generate(req)
-                last = start
                 async for out in stream:
-                    now = time.monotonic()
                     if num_out == 0:
+                        now = time.monotonic()
                         timings.prefill_s = now - start
                         TIME_TO_FIRST_TOKEN.observe(now - start)
                         if timings.local_prefill:  # else P sampled it: D's phases race it
                             observe_phases(req, now)
-                    elif out.new_token_ids:
-                        INTER_TOKEN_LATENCY.observe(now - last)
-                    last = now
                     num_out += len(out.new_token_ids)
                     # Filled in place: a TokenChunk passed to GenerateResponse() is copied.
                     response = decode_pb2.GenerateResponse()

@@ -49,12 +49,31 @@ class OutputStream:
     `get` looks the running loop up, a `getpid` system call, each time it waits: a tenth of
     the event loop's time at 256 streams)."""
 
-    __slots__ = ("_items", "_loop", "_waiter")
+    __slots__ = ("_items", "_loop", "_waiter", "observe_itl", "last_token_time")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        observe_itl: Callable[[float], Any] | None = None,
+    ):
         self._items: deque = deque()
         self._loop = loop
         self._waiter: asyncio.Future | None = None
+        # Inter-token latency, per engine step that gave this request tokens, timed when the
+        # engine handed the step's outputs over: a consumer that falls behind and reads several
+        # steps as one item (see `generate`) still counts and times each step, as vLLM's
+        # engine-timestamped iteration stats do.
+        self.observe_itl = observe_itl
+        self.last_token_time: float | None = None
+
+    def put_step(self, item: EngineCoreOutput, step_time: float) -> None:
+        """`item`, one engine step's output for this request, produced at `step_time`."""
+        if item.new_token_ids and self.observe_itl is not None:
+            last = self.last_token_time
+            if last is not None:
+                self.observe_itl(step_time - last)
+            self.last_token_time = step_time
+        self.put_nowait(item)
 
     def put_nowait(self, item: Any) -> None:
         self._items.append(item)
@@ -92,6 +111,9 @@ class AsyncEngine:
         self._hook_error_logged_at: dict[int, float] = {}  # id(hook) -> monotonic time
         self.last_step_time = time.monotonic()
         self.error: BaseException | None = None
+        # Observes the time between a stream's engine steps (`OutputStream.observe_itl`): the
+        # decode service sets its inter-token latency histogram here.
+        self.observe_itl: Callable[[float], Any] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -128,11 +150,21 @@ class AsyncEngine:
         it finishes. `add` may return a first output to yield (a remotely sampled token).
         Leaving the iterator early (client gone) aborts the request."""
         loop = asyncio.get_running_loop()
-        q = OutputStream(loop)
+        q = OutputStream(loop, self.observe_itl)
         self._streams[request.request_id] = (loop, q)
         finished = False
+        add = add or self.core.add_request
+
+        def add_and_stamp(r: Request) -> Any:
+            # On the engine thread, before any step can give this request a token: a first
+            # token from `add` (a remote prefill's) starts the inter-token clock.
+            first = add(r)
+            if isinstance(first, EngineCoreOutput) and first.new_token_ids:
+                q.last_token_time = time.monotonic()
+            return first
+
         try:
-            first = await self.call(add or self.core.add_request, request)
+            first = await self.call(add_and_stamp, request)
             if isinstance(first, EngineCoreOutput):
                 yield first
                 if first.finish_reason is not None:
@@ -168,16 +200,6 @@ class AsyncEngine:
     def submit(self, fn: Callable[[], Any]) -> None:
         """Run `fn()` on the engine thread, fire and forget (safe from cancelled tasks)."""
         self._cmds.put(fn)
-
-    def attach_stream(self, request_id: str) -> OutputStream:
-        """Route outputs of a request added by other means (see `call`) to a new queue."""
-        loop = asyncio.get_running_loop()
-        q = OutputStream(loop)
-        self._streams[request_id] = (loop, q)
-        return q
-
-    def detach_stream(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -259,6 +281,7 @@ class AsyncEngine:
         GIL from the loop: 256 of them cost ~3 ms per step on the engine thread)."""
         batches: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, Any]]] = {}
         streams = self._streams
+        now = time.monotonic()
         for out in outputs:
             stream = streams.get(out.request_id)
             if stream is not None:
@@ -268,7 +291,7 @@ class AsyncEngine:
                     batch = batches[loop] = []
                 batch.append((q, out))
         for loop, batch in batches.items():
-            loop.call_soon_threadsafe(_put_all, batch)
+            loop.call_soon_threadsafe(_put_all, batch, now)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
@@ -278,10 +301,10 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: A
         logger.debug("event loop closed; dropped %r", fn)
 
 
-def _put_all(batch: list[tuple[OutputStream, Any]]) -> None:
+def _put_all(batch: list[tuple[OutputStream, Any]], step_time: float) -> None:
     """Event loop: one step's outputs into their streams' queues, in the engine's order."""
     for q, item in batch:
-        q.put_nowait(item)
+        q.put_step(item, step_time)
 
 
 def _set_result(fut: asyncio.Future, result: Any) -> None:

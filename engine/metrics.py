@@ -3,7 +3,9 @@
 Names follow vLLM where the meaning is the same (`vllm:num_requests_running`, ...); Tandem's own
 are prefixed `tandem:`. Gauges and counters are read from the engine at scrape time (the
 scheduler and block pool are only read, and their sizes are single attribute reads); latency
-histograms are observed by the decode service as tokens stream.
+histograms are observed by the decode service as tokens stream, the inter-token latency once
+per engine step that gives a request tokens, timed at the engine (as vLLM's iteration stats),
+however many steps a slow consumer reads at once.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ TIME_TO_FIRST_TOKEN = Histogram(
 )
 INTER_TOKEN_LATENCY = Histogram(
     "vllm:inter_token_latency_seconds",
-    "Time between streamed tokens (decode service).",
+    "Time between a request's engine steps that gave it tokens (decode service).",
     buckets=_LATENCY_BUCKETS,
     registry=REGISTRY,
 )

@@ -184,11 +184,41 @@ def test_a_consumer_that_falls_behind_gets_the_queued_tokens_in_one_message():
                 assert await asyncio.to_thread(core.produced.wait, DEADLINE_S)
         return outs
 
+    itls: list[float] = []
+    engine.observe_itl = itls.append
     try:
         outs = asyncio.run(asyncio.wait_for(consume(), DEADLINE_S))
         assert [o.new_token_ids for o in outs] == [[1], [2, 3, 4, 5]]
         assert outs[1].new_logprobs == [{t: -0.5} for t in (2, 3, 4, 5)]
         assert outs[1].finish_reason == "length"
+        # Two messages, but five engine steps: four inter-token latencies, one per step (the
+        # first spans the wait for `go`), not one per message.
+        assert len(itls) == 4 and all(itl >= 0 for itl in itls)
+    finally:
+        engine.shutdown()
+
+
+def test_a_first_token_from_add_starts_the_inter_token_clock():
+    """A remote prefill's first token comes from `add`, not a step: the next step's token is
+    one inter-token latency after it, measured from when `add` ran."""
+    core = FiveTokenCore()
+    core.go.set()
+    engine = AsyncEngine(core, idle_wait_s=0.001)
+    itls: list[float] = []
+    engine.observe_itl = itls.append
+
+    def add(request) -> EngineCoreOutput:
+        core.add_request(request)
+        return EngineCoreOutput(request.request_id, new_token_ids=[0])
+
+    async def consume() -> list[int]:
+        return [
+            t async for out in engine.generate(FakeRequest(), add=add) for t in out.new_token_ids
+        ]
+
+    try:
+        assert asyncio.run(asyncio.wait_for(consume(), DEADLINE_S)) == [0, 1, 2, 3, 4, 5]
+        assert len(itls) == 5
     finally:
         engine.shutdown()
 
