@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import print_table, process_cpu_s, write_result
 from bench.structured_output import QWEN3_8B, make_model_dir
+from engine.serving import DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING, DEFAULT_PREFILL_BACKLOG_STEPS
 from engine.step_trace import KINDS, summarize
 
 POINT_TIMEOUT_S = 240
@@ -289,12 +290,15 @@ def main() -> None:
         help="the services' token budget per step (the issue's workload: 8192)",
     )  # fmt: skip
     ap.add_argument(
-        "--max-prefill-tokens-while-decoding", type=int, default=0,
-        help="the services' prompt tokens per step beside decodes (0: the whole budget)",
+        "--max-prefill-tokens-while-decoding", type=int,
+        default=DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING,
+        help="the services' prompt tokens per step beside decodes (0: the whole budget; "
+        "default: the services' own)",
     )  # fmt: skip
     ap.add_argument(
-        "--prefill-backlog-steps", type=int, default=0,
-        help="with the cap above: raise it to 1/N of the waiting prompt tokens (0: fixed cap)",
+        "--prefill-backlog-steps", type=int, default=DEFAULT_PREFILL_BACKLOG_STEPS,
+        help="with the cap above: raise it to 1/N of the waiting prompt tokens (0: fixed cap; "
+        "default: the services' own)",
     )  # fmt: skip
     ap.add_argument(
         "--idle-prompts", type=int, default=20,
@@ -324,14 +328,15 @@ def main() -> None:
         )
     ENGINE_FLAGS.extend(args.gateway_flags.split())
     BENCH_FLAGS.extend(args.bench_flags.split())
-    uncapped_flags = list(ENGINE_FLAGS)
-    if args.max_prefill_tokens_while_decoding:
-        ENGINE_FLAGS.extend(
-            ["--max-prefill-tokens-while-decoding", str(args.max_prefill_tokens_while_decoding)]
-        )
-    fixed_cap_flags = list(ENGINE_FLAGS)
-    if args.prefill_backlog_steps:
-        ENGINE_FLAGS.extend(["--prefill-backlog-steps", str(args.prefill_backlog_steps)])
+    # Every flag explicit (0 included): the recorded config reads the same whatever the
+    # services' defaults become.
+    uncapped_flags = [*ENGINE_FLAGS, "--max-prefill-tokens-while-decoding", "0"]
+    ENGINE_FLAGS.extend(
+        ["--max-prefill-tokens-while-decoding", str(args.max_prefill_tokens_while_decoding)]
+    )
+    fixed_cap_flags = [*ENGINE_FLAGS, "--prefill-backlog-steps", "0"]
+    backlog_steps = args.prefill_backlog_steps if args.max_prefill_tokens_while_decoding else 0
+    ENGINE_FLAGS.extend(["--prefill-backlog-steps", str(backlog_steps)])
     runs = []
     for spec in args.modes.split(","):
         mode, _, concurrencies = spec.partition(":")

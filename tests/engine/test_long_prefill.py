@@ -6,6 +6,7 @@ raises that bound with the queue, so that a backlog clears in about that many st
 
 from __future__ import annotations
 
+import argparse
 import random
 import time
 
@@ -14,6 +15,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.config import SchedulerConfig
 from engine.request import Request
+from engine.serving import add_engine_args, engine_config_from_args
 from tests.engine.hf_reference import hf_greedy
 
 THRESHOLD = 32
@@ -200,6 +202,30 @@ def test_the_backlog_rule_needs_its_cap():
         SchedulerConfig(prefill_backlog_steps=4)
     with pytest.raises(ValueError, match="prefill_backlog_steps must be 0"):
         SchedulerConfig(max_prefill_tokens_while_decoding=512, prefill_backlog_steps=-1)
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ([], (512, 32)),  # sized for online serving (bench/README.md, 2026-12-06)
+        (["--prefill-backlog-steps", "0"], (512, 0)),
+        (["--max-prefill-tokens-while-decoding", "0"], (0, 0)),  # no cap: no backlog rule
+        (["--max-prefill-tokens-while-decoding", "256", "--prefill-backlog-steps", "4"], (256, 4)),
+    ],
+)
+def test_served_engines_cap_prefill_beside_decodes_by_default(tiny_qwen3_path, flags, expected):
+    """A service's flags cap the prompt tokens of a step that decodes unless told otherwise;
+    the offline `LLM` keeps whole-budget steps."""
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    sc = engine_config_from_args(parser.parse_args([str(tiny_qwen3_path), *flags])).scheduler
+    assert (sc.max_prefill_tokens_while_decoding, sc.prefill_backlog_steps) == expected
+    with pytest.raises(ValueError, match="set max_prefill_tokens_while_decoding too"):
+        args = ["--max-prefill-tokens-while-decoding", "0", "--prefill-backlog-steps", "4"]
+        engine_config_from_args(parser.parse_args([str(tiny_qwen3_path), *args]))
+    llm = LLM(str(tiny_qwen3_path), max_num_seqs=2, device="cpu", dtype="float32")
+    sc = llm.engine.config.scheduler
+    assert (sc.max_prefill_tokens_while_decoding, sc.prefill_backlog_steps) == (0, 0)
 
 
 def test_the_threshold_needs_chunked_prefill_and_is_not_negative():
