@@ -232,7 +232,11 @@ def steps_line(st: dict) -> str:
         for k in KINDS
     )
     idle = st.get("gpu_idle_between_steps_s", 0.0)
-    inside = f"running {st.get('mean_running', 0):.0f} waiting {st.get('mean_waiting', 0):.0f}"
+    inside = (
+        f"running {st.get('mean_running', 0):.0f} waiting {st.get('mean_waiting', 0):.0f} "
+        f"free blocks {st.get('mean_free_blocks', 0):.0f} "
+        f"({st.get('mean_free_blocks_while_waiting', 0):.0f} while waiting)"
+    )
     return (
         f"steps {st['engine_steps']} step_s {st['step_s']:.1f} gpu_idle {idle:.2f}s {inside} "
         f"{kinds}"

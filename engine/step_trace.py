@@ -31,8 +31,8 @@ class StepTrace:
         self.cuda = core.runner.device.type == "cuda"
         # (kind, sequences, tokens, host start, host s, start event, end event)
         self.calls: list[tuple[str, int, int, float, float, Any, Any]] = []
-        # (host start, step s, schedule s, requests running, requests waiting)
-        self.steps: list[tuple[float, float, float, int, int]] = []
+        # (host start, step s, schedule s, requests running, requests waiting, free KV blocks)
+        self.steps: list[tuple[float, float, float, int, int, int]] = []
         self.dropped = 0
         self._schedule_s = 0.0
 
@@ -67,13 +67,16 @@ class StepTrace:
         def traced_step():
             t, self._schedule_s = time.perf_counter(), 0.0
             # Requests in the engine as the step begins: running (in the batch, decoding or
-            # prefilling) and waiting (queued for a slot or for prefill budget).
+            # prefilling) and waiting (queued for a slot, for prefill budget or for blocks),
+            # and the KV blocks free for them (evictable prefix-cache blocks count as free).
             running, waiting = len(sched.running), len(sched.waiting)
+            free_blocks = core.kv.num_free_blocks
             try:
                 return step()
             finally:
                 if len(self.steps) < MAX_ROWS:
-                    row = (t, time.perf_counter() - t, self._schedule_s, running, waiting)
+                    step_s = time.perf_counter() - t
+                    row = (t, step_s, self._schedule_s, running, waiting, free_blocks)
                     self.steps.append(row)
 
         runner.execute, runner.launch_decode = traced_execute, traced_launch
@@ -128,8 +131,8 @@ class StepTrace:
                 row["gpu_end_ms"] = ref.elapsed_time(e1)
             calls.append(row)
         steps = [
-            {"t": t, "step_s": s, "schedule_s": sc, "running": run, "waiting": wait}
-            for t, s, sc, run, wait in steps
+            {"t": t, "step_s": s, "schedule_s": sc, "running": run, "waiting": wait, "free": free}
+            for t, s, sc, run, wait, free in steps
         ]
         return {"calls": calls, "steps": steps, "dropped_calls": self.dropped}
 
@@ -154,6 +157,12 @@ def summarize(rows: dict, t_from: float = float("-inf"), t_to: float = float("in
         # request rate gives the time a request spends inside the engine).
         "mean_running": _time_weighted(steps, "running"),
         "mean_waiting": _time_weighted(steps, "waiting"),
+        # KV blocks free as steps begin, and as steps begin with requests waiting: a queue
+        # beside few free blocks waits for blocks, beside many for budget or slots.
+        "mean_free_blocks": _time_weighted(steps, "free"),
+        "mean_free_blocks_while_waiting": _time_weighted(
+            [s for s in steps if s.get("waiting")], "free"
+        ),
         "schedule_s": sum(s["schedule_s"] for s in steps),
         "runner_host_s": sum(c["host_s"] for c in calls),
         "dropped_calls": rows.get("dropped_calls", 0),

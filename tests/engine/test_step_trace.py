@@ -35,7 +35,12 @@ def test_trace_counts_every_scheduled_token_once(tiny_qwen3_path, tmp_path):
     # Three prompts in three slots: never more than three in the engine, none left waiting
     # at the end.
     assert 0 < st["mean_running"] <= len(PROMPTS) and st["mean_waiting"] >= 0
-    assert json.loads(path.read_text())["steps"][-1]["waiting"] == 0
+    steps = json.loads(path.read_text())["steps"]
+    assert steps[-1]["waiting"] == 0
+    # Free KV blocks as each step begins: all of them before the first schedules anything,
+    # fewer before the last (its request still holds its blocks).
+    idle_pool = llm.engine.kv.pool.num_blocks - 1  # less the null block
+    assert steps[0]["free"] == idle_pool and 0 < steps[-1]["free"] < idle_pool
     trace.remove()
     runner = llm.engine.runner
     assert "execute" not in vars(runner) and "step" not in vars(llm.engine)
@@ -65,6 +70,7 @@ def test_summary_idle_gaps_by_kind_and_window():
                 "schedule_s": 0.0005,
                 "running": 4 * (i + 1),
                 "waiting": 3 - i,
+                "free": 100 * i,
             }  # fmt: skip
             for i in range(4)
         ],
@@ -88,6 +94,9 @@ def test_summary_idle_gaps_by_kind_and_window():
     # weighted by the steps' times 1:2:3:4
     assert st["mean_running"] == pytest.approx(4 * (1 + 4 + 9 + 16) / 10)
     assert st["mean_waiting"] == pytest.approx((3 * 1 + 2 * 2 + 1 * 3 + 0 * 4) / 10)
+    assert st["mean_free_blocks"] == pytest.approx(100 * (0 * 1 + 1 * 2 + 2 * 3 + 3 * 4) / 10)
+    # the last step had nobody waiting
+    assert st["mean_free_blocks_while_waiting"] == pytest.approx(100 * (0 + 2 + 6) / 6)
     whole = summarize(rows)
     assert whole["decode_only"]["steps"] == 3
     assert whole["gpu_idle_between_steps_s"] == pytest.approx(0.007 + 0.960)
