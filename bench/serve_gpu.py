@@ -128,11 +128,16 @@ def metrics_urls(log: list[str]) -> dict[str, str]:
 
 TTFT, E2E = "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"
 # Parts of the TTFT: the gateway's arrival to ready-for-a-decode, a decode's WAITING time and
-# first-scheduled-to-first-token (vLLM's queue and prefill phases).
+# first-scheduled-to-first-token (vLLM's queue and prefill phases; local prefills only), and a
+# remote prefill's parts at the decode (blocks reserved, the Prefill call, that call's transit
+# beyond the prefill's own time).
 PHASES = {
     "gateway_prepare": "tandem:request_prepare_seconds",
     "queue": "vllm:request_queue_time_seconds",
     "prefill": "vllm:request_prefill_time_seconds",
+    "remote_setup": "tandem:remote_prefill_setup_seconds",
+    "remote_rpc": "tandem:remote_prefill_rpc_seconds",
+    "remote_transit": "tandem:remote_prefill_transit_seconds",
 }
 
 

@@ -33,7 +33,12 @@ from decode_svc.receiver import KVReceiver, TransferState
 from engine import internal_auth
 from engine.async_engine import AsyncEngine
 from engine.kv_cache_manager import cdiv
-from engine.metrics import KV_TRANSFER_SECONDS
+from engine.metrics import (
+    KV_TRANSFER_SECONDS,
+    REMOTE_PREFILL_RPC_SECONDS,
+    REMOTE_PREFILL_SETUP_SECONDS,
+    REMOTE_PREFILL_TRANSIT_SECONDS,
+)
 from engine.record_auth import RecordAuth, RecordError
 from engine.registry import InstanceRecord
 from engine.request import Request, RequestStatus
@@ -202,6 +207,9 @@ class RemotePrefill:
             timings.prefill_instance = target.instance_id or target.address
             timings.remote_setup_s = t0 - received
             timings.remote_rpc_s = t1 - t0
+            REMOTE_PREFILL_SETUP_SECONDS.observe(t0 - received)
+            REMOTE_PREFILL_RPC_SECONDS.observe(t1 - t0)
+            REMOTE_PREFILL_TRANSIT_SECONDS.observe(max(t1 - t0 - resp.server_s, 0.0))
             timings.remote_compute_s = resp.compute_s
             timings.remote_server_s = resp.server_s
             timings.kv_wait_s = time.monotonic() - t1

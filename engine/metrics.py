@@ -84,6 +84,31 @@ KV_TRANSFER_SECONDS = Histogram(
 )
 
 
+# A remote prefill's parts at the decode, observed with its first token (what the decode's TTFT
+# of such a request is made of, besides the hop into the engine): from the Generate call to the
+# Prefill call (blocks reserved, waiting in line for them), the Prefill call itself, and that
+# call less the prefill's own time from receipt to reply (the two gRPC hops and the wait of
+# either event loop: what neither engine sees).
+REMOTE_PREFILL_SETUP_SECONDS = Histogram(
+    "tandem:remote_prefill_setup_seconds",
+    "Decode: Generate call to Prefill call (KV blocks reserved).",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+REMOTE_PREFILL_RPC_SECONDS = Histogram(
+    "tandem:remote_prefill_rpc_seconds",
+    "Decode: the Prefill call, sent to answered.",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+REMOTE_PREFILL_TRANSIT_SECONDS = Histogram(
+    "tandem:remote_prefill_transit_seconds",
+    "Decode: the Prefill call less the prefill's own receipt-to-reply time.",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+
+
 class EngineCollector(Collector):
     def __init__(self, engine, servicer, role: str, instance_id: str):
         self.engine, self.servicer = engine, servicer

@@ -59,6 +59,17 @@ def test_metrics_follow_the_work(services):
     assert metric_value(after_d, "vllm:time_to_first_token_seconds_count") == 2
     assert metric_value(after_d, "vllm:inter_token_latency_seconds_count") == 8
     assert metric_value(after_d, "tandem:num_remote_prefills_total") == 2
+    # A remote prefill's parts at the decode, one each per remote prefill; the reservation and
+    # the Prefill call come before the first token, the call's transit is part of the call.
+    parts = {
+        part: metric_value(after_d, f"tandem:remote_prefill_{part}_seconds_sum")
+        - metric_value(before_d, f"tandem:remote_prefill_{part}_seconds_sum")
+        for part in ("setup", "rpc", "transit")
+    }
+    for part in parts:
+        assert metric_value(after_d, f"tandem:remote_prefill_{part}_seconds_count") == 2
+    ttft_s = metric_value(after_d, "vllm:time_to_first_token_seconds_sum")
+    assert 0 < parts["setup"] + parts["rpc"] <= ttft_s and 0 <= parts["transit"] <= parts["rpc"]
     assert metric_value(after_p, "tandem:kv_transfer_bytes_total") > 0
     assert metric_value(after_p, "vllm:prefix_cache_hits_total") >= 48  # 2nd prompt reuses 3 blocks
     # vLLM's queue and prefill phases: for the prompts D prefills itself only (a remote
