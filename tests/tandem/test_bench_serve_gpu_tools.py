@@ -45,6 +45,9 @@ def test_histogram_totals_parse_one_scrape(monkeypatch):
         "# TYPE vllm:request_queue_time_seconds histogram\n"
         "vllm:request_queue_time_seconds_count 2.0\n"
         "vllm:request_queue_time_seconds_sum 0.25\n"
+        "# TYPE tandem:remote_prefill_rpc_seconds histogram\n"
+        "tandem:remote_prefill_rpc_seconds_count 3.0\n"
+        "tandem:remote_prefill_rpc_seconds_sum 0.75\n"
     )
 
     class Resp:
@@ -64,6 +67,9 @@ def test_histogram_totals_parse_one_scrape(monkeypatch):
         "vllm:request_queue_time_seconds": {"gateway": (0.25, 2.0)},
         "vllm:request_prefill_time_seconds": {},
         "tandem:request_prepare_seconds": {},
+        "tandem:remote_prefill_setup_seconds": {},
+        "tandem:remote_prefill_rpc_seconds": {"gateway": (0.75, 3.0)},
+        "tandem:remote_prefill_transit_seconds": {},
     }
     assert serve_gpu.mean_ms_by_layer({}, {"decode 0": (0.25, 2.0)}, None) == {"decode 0": 125.0}
 
