@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import print_table, process_cpu_s, write_result
 from bench.structured_output import QWEN3_8B, make_model_dir
-from engine.serving import DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING, DEFAULT_PREFILL_BACKLOG_STEPS
+from engine.serving import DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING, prefill_backlog_steps
 from engine.step_trace import KINDS, summarize
 
 POINT_TIMEOUT_S = 240
@@ -305,7 +305,7 @@ def main() -> None:
         "default: the services' own)",
     )  # fmt: skip
     ap.add_argument(
-        "--prefill-backlog-steps", type=int, default=DEFAULT_PREFILL_BACKLOG_STEPS,
+        "--prefill-backlog-steps", type=int, default=None,
         help="with the cap above: raise it to 1/N of the waiting prompt tokens (0: fixed cap; "
         "default: the services' own)",
     )  # fmt: skip
@@ -344,8 +344,7 @@ def main() -> None:
         ["--max-prefill-tokens-while-decoding", str(args.max_prefill_tokens_while_decoding)]
     )
     fixed_cap_flags = [*ENGINE_FLAGS, "--prefill-backlog-steps", "0"]
-    backlog_steps = args.prefill_backlog_steps if args.max_prefill_tokens_while_decoding else 0
-    ENGINE_FLAGS.extend(["--prefill-backlog-steps", str(backlog_steps)])
+    ENGINE_FLAGS.extend(["--prefill-backlog-steps", str(prefill_backlog_steps(args))])
     runs = []
     for spec in args.modes.split(","):
         mode, _, concurrencies = spec.partition(":")

@@ -207,11 +207,11 @@ class RemotePrefill:
             timings.prefill_instance = target.instance_id or target.address
             timings.remote_setup_s = t0 - received
             timings.remote_rpc_s = t1 - t0
-            REMOTE_PREFILL_SETUP_SECONDS.observe(t0 - received)
-            REMOTE_PREFILL_RPC_SECONDS.observe(t1 - t0)
-            REMOTE_PREFILL_TRANSIT_SECONDS.observe(max(t1 - t0 - resp.server_s, 0.0))
             timings.remote_compute_s = resp.compute_s
             timings.remote_server_s = resp.server_s
+            REMOTE_PREFILL_SETUP_SECONDS.observe(timings.remote_setup_s)
+            REMOTE_PREFILL_RPC_SECONDS.observe(timings.remote_rpc_s)
+            REMOTE_PREFILL_TRANSIT_SECONDS.observe(max(timings.remote_rpc_s - resp.server_s, 0.0))
             timings.kv_wait_s = time.monotonic() - t1
             lp = (
                 logprobs_from_proto(resp.first_logprobs)
