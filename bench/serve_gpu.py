@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -32,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import print_table, process_cpu_s, write_result
 from bench.structured_output import QWEN3_8B, make_model_dir
+from engine import stack_sampler
 from engine.serving import DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING, prefill_backlog_steps
 from engine.step_trace import KINDS, summarize
 
@@ -87,14 +89,18 @@ def start_serve(
     port: int,
     extra: list[str] | None = None,
     trace_dir: Path | None = None,
+    stacks_dir: Path | None = None,
 ) -> tuple[subprocess.Popen, list[str]]:
     """`tandem serve` with this bench's flags and `num_prefill`, or with `extra` instead;
-    `trace_dir`: its services write their step traces there when they stop."""
+    `trace_dir`: its services write their step traces there when they stop; `stacks_dir`:
+    their stack samples (`engine/stack_sampler.py`)."""
     flags = extra if extra is not None else [*ENGINE_FLAGS, "--num-prefill", str(num_prefill)]
     cmd = [sys.executable, "-m", "tandem.cli", "serve", str(path), *flags, "--port", str(port)]
     env = dict(os.environ)
     if trace_dir is not None:
         env["TANDEM_STEP_TRACE_DIR"] = str(trace_dir)
+    if stacks_dir is not None:
+        env["TANDEM_STACK_SAMPLE_DIR"] = str(stacks_dir)
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -314,6 +320,11 @@ def main() -> None:
         help="prompts sent one at a time first, for each mode's idle TTFT (0: none)",
     )  # fmt: skip
     ap.add_argument(
+        "--stack-samples", action="store_true",
+        help="sample the services' thread stacks (engine/stack_sampler.py) over each server's "
+        "life: summaries in modes[mode]['stacks'], raw files beside the result",
+    )  # fmt: skip
+    ap.add_argument(
         "--gateway-flags", default="",
         help="extra `tandem serve` flags for its gateway, e.g. '--shed-busy-fraction 0'",
     )  # fmt: skip
@@ -386,6 +397,7 @@ def main() -> None:
                 port,
                 [*flags, "--num-prefill", str(num_prefill), "--metrics-port", "0"],
                 trace_dir,
+                Path(tmp) / f"stacks-{mode}" if args.stack_samples else None,
             )
             urls = metrics_urls(log)
             print(f"{mode}: serving after {time.monotonic() - t:.0f} s", flush=True)
@@ -438,6 +450,15 @@ def main() -> None:
             finally:
                 stop_serve(proc)
                 (out_dir / f"serve_gpu-{mode}.log").write_text("".join(log[-5000:]))
+            if args.stack_samples:
+                modes[mode]["stacks"] = {}
+                for f in sorted((Path(tmp) / f"stacks-{mode}").glob("*.json")):
+                    shutil.copy(f, out_dir / f"{mode}-{f.name}")
+                    summary = stack_sampler.summarize(json.loads(f.read_text()), top=8)
+                    modes[mode]["stacks"][f.stem] = summary
+                    for thread, t in summary.items():
+                        if t["busy_share"] > 0.02:
+                            print(mode, f.stem, thread, json.dumps(t), flush=True)
             for c, (t0, t1) in windows.items():  # each service's steps during the point
                 modes[mode][c]["steps"] = {
                     f.stem: summarize(json.loads(f.read_text()), t0, t1)

@@ -38,6 +38,7 @@ from engine.serving import (
     engine_config_from_args,
     serve_health,
 )
+from engine.stack_sampler import StackSampler
 from engine.step_trace import StepTrace
 from engine.tokenizer import get_eos_token_ids, load_tokenizer
 from kv_transfer import Agent
@@ -159,6 +160,8 @@ async def run_service(
     # Diagnosis, off by default: every engine step's timing, written as the service stops.
     trace_dir = os.environ.get("TANDEM_STEP_TRACE_DIR")
     trace = StepTrace(core).install() if trace_dir else None
+    sample_dir = os.environ.get("TANDEM_STACK_SAMPLE_DIR")
+    sampler = StackSampler().start() if sample_dir else None
     engine = AsyncEngine(core)
     instance_id = args.instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
     agent = await engine.call(
@@ -201,6 +204,8 @@ async def run_service(
         outcome = await _serve_until(server, engine, drain)
         if trace is not None:  # now: a stop's grace period may end in SIGKILL before the drain's
             trace.write(Path(trace_dir) / f"{instance_id}.json")
+        if sampler is not None:
+            sampler.write(Path(sample_dir) / f"{instance_id}-stacks.json")
         if outcome == "died":
             await _die(server, engine, health.task, kv)
         elif outcome == "drain":
@@ -212,6 +217,10 @@ async def run_service(
         if trace is not None:  # again, whole
             trace.write(Path(trace_dir) / f"{instance_id}.json")
             logger.info("Step trace written to %s/%s.json", trace_dir, instance_id)
+        if sampler is not None:
+            sampler.stop()
+            sampler.write(Path(sample_dir) / f"{instance_id}-stacks.json")
+            logger.info("Stack samples written to %s/%s-stacks.json", sample_dir, instance_id)
 
 
 # A signal to a whole process group (Ctrl-C in a terminal, systemd's stop) reaches a service
