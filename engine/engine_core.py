@@ -39,6 +39,7 @@ eagerly, not in the one-token decode graphs; steps without drafts still replay t
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
@@ -374,7 +375,7 @@ class EngineCore:
         """Reserve blocks for the whole prompt (reusing this instance's prefix hits) so that a
         prefill elsewhere can write into them. None: no room now; the request then waits in
         `awaiting_blocks` (FIFO: only its head may take blocks) and the caller asks again when
-        blocks are freed (`next_awaiting`), or gives up with `stop_awaiting`. The request is
+        blocks are freed (`awaiting_in_order`), or gives up with `stop_awaiting`. The request is
         not scheduled until `add_remote_prefilled`; until then it is `reserved`. Waiting and
         reserved requests count against the queue limits, and the blocks reserved for one
         cache salt (one tenant) stay under `max_blocks_per_salt` (SchedulerFullError past
@@ -394,13 +395,16 @@ class EngineCore:
             self.awaiting_blocks.pop(request.request_id, None)
         return alloc
 
-    def next_awaiting(self) -> Request | None:
-        """The remote prefill first in line for blocks, if the free blocks could hold it."""
-        head = next(iter(self.awaiting_blocks.values()), None)
-        if head is None:
-            return None
-        needed = cdiv(head.num_tokens, self.config.cache.block_size)
-        return head if self.kv.num_free_blocks >= needed else None
+    def awaiting_in_order(self) -> Iterator[Request]:
+        """The remote prefills in line for blocks, first first, each only while the free
+        blocks could hold its prompt (checked again before each: the caller reserves as it
+        goes, with `allocate_for_remote_prefill`)."""
+        for request in list(self.awaiting_blocks.values()):
+            if request.request_id not in self.awaiting_blocks:
+                continue  # left the line meanwhile
+            if self.kv.num_free_blocks < cdiv(request.num_tokens, self.config.cache.block_size):
+                return
+            yield request
 
     def stop_awaiting(self, request_id: str) -> None:
         self.awaiting_blocks.pop(request_id, None)
