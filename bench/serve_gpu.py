@@ -182,6 +182,14 @@ def mean_ms_by_layer(before: dict, after: dict, client_mean_ms: float | None) ->
     return out
 
 
+def count_by_layer(before: dict, after: dict) -> dict:
+    """A histogram's observations over a point, per process (where it has any): how many
+    requests a phase's mean is over (1P+1D: the decode's queue and prefill phases count only
+    the prompts it prefilled itself, after remote prefills that failed or timed out)."""
+    counts = {name: count - before.get(name, (0.0, 0.0))[1] for name, (_, count) in after.items()}
+    return {name: int(n) for name, n in counts.items() if n > 0}
+
+
 def gateway_pid(serve: subprocess.Popen) -> int | None:
     """The gateway process of a `tandem serve` (its process group; `tandem.cli gateway`)."""
     for entry in Path("/proc").iterdir():
@@ -424,6 +432,10 @@ def main() -> None:
                     )
                     p["ttft_phases_mean_ms"] = {
                         phase: mean_ms_by_layer(hist0[name], hist1[name], None)
+                        for phase, name in PHASES.items()
+                    }
+                    p["ttft_phases_count"] = {
+                        phase: count_by_layer(hist0[name], hist1[name])
                         for phase, name in PHASES.items()
                     }
                     # With each service's mean requests in the engine (its steps below), the

@@ -32,6 +32,14 @@ def test_ttft_by_layer_is_the_points_own_mean():
     assert got == pytest.approx({"client": 250.0, "gateway": 200.0, "decode 0": 50.0})
 
 
+def test_phase_counts_are_the_points_own():
+    """How many requests a phase's mean is over: the point's observations per process, none
+    for a process without any in the point."""
+    before = {"decode 0": (4.0, 100.0), "prefill 0": (1.0, 7.0)}
+    after = {"decode 0": (9.0, 130.0), "prefill 0": (1.0, 7.0), "decode 1": (0.5, 2.0)}
+    assert serve_gpu.count_by_layer(before, after) == {"decode 0": 30, "decode 1": 2}
+
+
 def test_histogram_totals_parse_one_scrape(monkeypatch):
     text = (
         "# TYPE vllm:time_to_first_token_seconds histogram\n"
