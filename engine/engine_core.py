@@ -372,8 +372,9 @@ class EngineCore:
     def allocate_for_remote_prefill(
         self, request: Request, max_blocks_per_salt: int | None = None
     ) -> RemotePrefillAllocation | None:
-        """Reserve blocks for the whole prompt (reusing this instance's prefix hits) so that a
-        prefill elsewhere can write into them. None: no room now; the request then waits in
+        """Reserve blocks for the whole prompt and the slot of its first decoded token (reusing
+        this instance's prefix hits) so that a prefill elsewhere can write into them (the
+        prompt's blocks). None: no room now; the request then waits in
         `awaiting_blocks` (FIFO: only its head may take blocks) and the caller asks again when
         blocks are freed (`awaiting_in_order`), or gives up with `stop_awaiting`. The request is
         not scheduled until `add_remote_prefilled`; until then it is `reserved`. Waiting and
@@ -402,12 +403,16 @@ class EngineCore:
         for request in list(self.awaiting_blocks.values()):
             if request.request_id not in self.awaiting_blocks:
                 continue  # left the line meanwhile
-            if self.kv.num_free_blocks < cdiv(request.num_tokens, self.config.cache.block_size):
+            if self.kv.num_free_blocks < self._blocks_to_reserve(request):
                 return
             yield request
 
     def stop_awaiting(self, request_id: str) -> None:
         self.awaiting_blocks.pop(request_id, None)
+
+    def _blocks_to_reserve(self, request: Request) -> int:
+        """A remote prefill's blocks before prefix hits: its prompt and its first decode slot."""
+        return cdiv(request.num_tokens + 1, self.config.cache.block_size)
 
     def _reserve_for_remote_prefill(
         self, request: Request, max_blocks_per_salt: int | None
@@ -422,14 +427,17 @@ class EngineCore:
                 for r in self.reserved.values()
                 if r.cache_salt == request.cache_salt
             )
-            needed = cdiv(request.num_tokens, self.config.cache.block_size) - len(hits)
+            needed = self._blocks_to_reserve(request) - len(hits)
             if held + needed > max_blocks_per_salt:
                 raise SchedulerFullError(
                     f"Request {request.request_id} refused: its tenant already holds {held} KV "
                     f"blocks in remote prefills and this prompt needs {needed} more (at most "
                     f"{max_blocks_per_salt} per tenant). Retry later."
                 )
-        if not self.kv.allocate_slots(request, request.num_tokens - num_hit, hits):
+        # The prompt's blocks and the slot of the first token decoded here: without it, prompts
+        # that filled the cache exactly were written by P and then waited forever for a block
+        # for their next token, with nothing running that could free one.
+        if not self.kv.allocate_slots(request, request.num_tokens + 1 - num_hit, hits):
             return None
         self.reserved[request.request_id] = request
         return RemotePrefillAllocation(list(self.kv.get_block_ids(request.request_id)), num_hit)

@@ -119,7 +119,7 @@ def test_the_line_is_served_in_one_engine_pass(tiny_qwen3_path):
     counters = {"num_remote_prefills": 0, "kv_transfer_bytes": 0}
     remote = RemotePrefill(engine, agent, KVReceiver(agent), 5.0, 1.0, counters)
     engine.hooks.remove(remote._serve_line)  # the test runs the loop's passes itself
-    blockers = [_req(f"block{i}", 128) for i in range(4)]  # 8 blocks each: all 32
+    blockers = [_req(f"block{i}", 112) for i in range(4)]  # 8 blocks each (+1 slot): all 32
     waiters = [_req(f"w{i}", 40) for i in range(5)]  # 3 blocks each
 
     def release(request: Request) -> None:

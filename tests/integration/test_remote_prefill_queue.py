@@ -91,3 +91,43 @@ def test_queue_limit_still_refuses(services):
     assert refused, "past --max-num-queued-reqs a decode refuses"
     assert all("max_num_queued_reqs=8" in r.details() for r in refused), refused[0].details()
     assert len(refused) + len(done) == len(results), results
+
+
+@pytest.fixture(scope="module")
+def exact_fit_services(tiny_qwen3_path):
+    # 16 usable blocks: two 128-token prompts (8 blocks each) fill them exactly.
+    cluster, prefills, decodes = start_services(
+        tiny_qwen3_path, 1, 1, extra_decode=["--num-gpu-blocks-override", "17"]
+    )
+    yield prefills[0].address, decodes[0].address
+    cluster.stop()
+
+
+def test_prompts_that_fill_the_cache_exactly_still_decode(exact_fit_services):
+    """Reproduced hang: reservations took exactly the prompts' blocks, so two prompts that
+    filled the cache were both written by P, then neither could take a slot for its next
+    token, and with nothing running nothing ever freed one. A reservation now includes the
+    first decode slot: the second prompt waits in line and every request completes."""
+    p_addr, d_addr = exact_fit_services
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def run():
+        stub = decode_stub(d_addr)
+        reqs = [
+            generate_request(f"x{i}", [(11 * i + j) % 1500 + 10 for j in range(128)], params,
+                             prefill_addrs=[p_addr])
+            for i in range(3)
+        ]  # fmt: skip
+        results = await asyncio.wait_for(
+            asyncio.gather(*(collect(stub, r) for r in reqs)), timeout=60
+        )
+        load = await get_load(stub)
+        await wait_idle(stub)
+        return results, load
+
+    results, load = asyncio.run(run())
+    for tokens, final, error in results:
+        assert error is None, error
+        assert final is not None and final.finish_reason == "length"
+        assert len(tokens) == 8
+    assert load.num_remote_prefills == 3
