@@ -113,6 +113,7 @@ class RemotePrefill:
         self.auth = RecordAuth.from_env()
         self._channels: dict[str, prefill_pb2_grpc.PrefillStub] = {}
         self._s_per_token: dict[str, float] = {}  # measured per prefill address
+        self._tokens_at: dict[str, int] = {}  # prompt tokens of ours a prefill is working on
         self._tasks: set[asyncio.Task] = set()  # kept alive until done: fences, leaving the line
         # Request id -> (its reserve, the future its allocation is handed back through), from
         # before its first reserve until it has blocks or left the line.
@@ -164,7 +165,12 @@ class RemotePrefill:
                     block_bytes=self.block_bytes,
                 ),
             )
-            wait_s = self._wait_s(target, req.num_prompt_tokens - alloc.num_hit_tokens)
+            # This decode's prompt tokens at that prefill, this one's included: a burst sent at
+            # once is computed one after another, and the last one's bound must cover them all.
+            num_new = req.num_prompt_tokens - alloc.num_hit_tokens
+            ahead = self._tokens_at.get(target.address, 0) + num_new
+            self._tokens_at[target.address] = ahead
+            wait_s = self._wait_s(target, ahead)
             t0 = time.monotonic()
             try:
                 resp = await self._stub(target.address).Prefill(msg, timeout=wait_s)
@@ -190,6 +196,8 @@ class RemotePrefill:
                 )
                 self._fail_transfer(req, transfer_id, target.address, acknowledged=ack)
                 continue
+            finally:
+                self._tokens_at[target.address] -= num_new
             if req.wants_prompt_logprobs and len(resp.prompt_logprobs) != req.num_prompt_tokens - 1:
                 # A prefill that does not send them (an older version): never lose them.
                 logger.warning(
@@ -202,7 +210,7 @@ class RemotePrefill:
                 )
                 self._fail_transfer(req, transfer_id, target.address, acknowledged=True)
                 continue
-            self._learn(target.address, t1 - t0, req.num_prompt_tokens - alloc.num_hit_tokens)
+            self._learn(target.address, t1 - t0, ahead)
             self.receiver.set_state(transfer_id, TransferState.WRITTEN)
             self.counters["num_remote_prefills"] += 1
             self.counters["kv_transfer_bytes"] += resp.kv_transfer_bytes
@@ -314,7 +322,11 @@ class RemotePrefill:
         return False
 
     def _wait_s(self, target, num_new_tokens: int) -> float:
-        """How long to wait for P's reply: a bound derived from the predicted prefill time."""
+        """How long to wait for P's reply: a bound derived from the predicted prefill time of
+        `num_new_tokens` (this request's and those of ours P has yet to answer). Counting only
+        the request's own let a burst time out at P while P worked through it: 256 prompts
+        sent at once on one H100, 29 went back to be prefilled here and waited 12.5 s for it
+        (bench/README.md, 2026-12-06)."""
         # The larger of the gateway's prediction (from P's reported rate and queue) and ours
         # (P's measured replies to us): a healthy P should never hit the bound.
         s_per_token = self._s_per_token.get(target.address, _PRIOR_S_PER_TOKEN)
@@ -323,6 +335,8 @@ class RemotePrefill:
         return min(self.prefill_timeout_s, bound_s)
 
     def _learn(self, address: str, rpc_s: float, num_new_tokens: int) -> None:
+        """P's seconds per prompt token, from a reply that took `rpc_s` for `num_new_tokens`
+        (the request's and those of ours it had yet to answer)."""
         sample = rpc_s / max(num_new_tokens, 1)
         prev = self._s_per_token.get(address)
         self._s_per_token[address] = sample if prev is None else prev + _RATE_EMA * (sample - prev)

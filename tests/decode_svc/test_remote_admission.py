@@ -161,3 +161,52 @@ def test_the_line_is_served_in_one_engine_pass(tiny_qwen3_path):
     assert still_waiting == [False, False, False]
     assert in_line == ["w2", "w3", "w4"]
     assert reserved == sorted(["block2", "block3", "w0", "w1", "w3", "w4"])
+
+
+def test_the_wait_for_a_prefill_covers_our_prompts_ahead_of_it(tiny_qwen3_path):
+    """A burst sent to one prefill is computed one prompt after another: the bound on each
+    reply counts this decode's prompt tokens P has yet to answer, its own included. Counting
+    only its own timed the burst's tail out while P worked through it (on one H100, 29 of
+    1,000 requests went back to be prefilled at the decode and waited 12.5 s for it)."""
+    import grpc
+
+    core = LLM(str(tiny_qwen3_path), max_model_len=256, num_gpu_blocks_override=128).engine
+    engine = AsyncEngine(core)
+    agent = Agent("d-test", "inproc")
+    counters = {"num_remote_prefills": 0, "kv_transfer_bytes": 0}
+    remote = RemotePrefill(engine, agent, KVReceiver(agent), 60.0, 1.0, counters)
+    address, timeouts = "127.0.0.1:1", []
+
+    class HeldPrefill:  # P holds every call until the test lets go, then refuses it
+        release = asyncio.Event()
+
+        async def Prefill(self, msg, timeout):  # noqa: N802 - the gRPC method's name
+            timeouts.append(timeout)
+            await self.release.wait()
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(), "no"
+            )
+
+    remote._stub = lambda _: HeldPrefill()
+
+    async def run():
+        HeldPrefill.release = asyncio.Event()
+        request = decode_pb2.GenerateRequest(prefill=[decode_pb2.PrefillTarget(address=address)])
+        calls = [remote.run(_req(f"b{i}" * (i + 1), 200), request, None) for i in range(6)]
+        tasks = [asyncio.ensure_future(c) for c in calls]
+        deadline = time.monotonic() + 5
+        while len(timeouts) < len(tasks):
+            assert time.monotonic() < deadline, timeouts
+            await asyncio.sleep(0.005)
+        HeldPrefill.release.set()
+        return await asyncio.wait_for(asyncio.gather(*tasks), 5)
+
+    try:
+        outcomes = asyncio.run(run())
+    finally:
+        engine.shutdown()
+        agent.close()
+    assert outcomes == [None] * 6  # refused by P: each goes back to be prefilled locally
+    # 200 tokens each at the prior 1 ms per token: 1 s + 4 x (200, 400, ... 1,200 tokens' time).
+    assert sorted(timeouts) == pytest.approx([2.0, 2.6, 3.4, 4.2, 5.0, 5.8])
+    assert remote._tokens_at == {address: 0}
