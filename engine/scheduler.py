@@ -70,6 +70,7 @@ class WaitingQueue:
         self._fifo: deque[Request] = deque()
         self._heap: list[tuple[int, float, int, Request]] = []
         self._tiebreak = itertools.count()
+        self.num_holding_kv = 0  # waiting requests whose prompt KV is in their blocks
 
     def __len__(self) -> int:
         return len(self._fifo) if self.policy == "fcfs" else len(self._heap)
@@ -89,6 +90,7 @@ class WaitingQueue:
         return sum(r.num_prompt_tokens_left for r in requests)
 
     def add(self, request: Request, front: bool = False) -> None:
+        self.num_holding_kv += request.num_computed_tokens > 0
         if self.policy == "fcfs":
             (self._fifo.appendleft if front else self._fifo.append)(request)
         else:
@@ -98,10 +100,20 @@ class WaitingQueue:
     def peek(self) -> Request:
         return self._fifo[0] if self.policy == "fcfs" else self._heap[0][-1]
 
+    def first_holding_kv(self) -> Request | None:
+        """The first request (in scheduling order) whose prompt KV already sits in its blocks
+        (written by a remote prefill), if any waits."""
+        if not self.num_holding_kv:
+            return None
+        return next((r for r in self if r.num_computed_tokens > 0), None)
+
     def pop(self) -> Request:
-        return self._fifo.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[-1]
+        request = self._fifo.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[-1]
+        self.num_holding_kv -= request.num_computed_tokens > 0
+        return request
 
     def remove(self, request: Request) -> None:
+        self.num_holding_kv -= request.num_computed_tokens > 0
         if self.policy == "fcfs":
             self._fifo.remove(request)
         else:
@@ -235,7 +247,12 @@ class Scheduler:
         while not out.preempted_ids and budget > 0 and len(self.waiting) > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            request = self.waiting.peek()
+            # A request whose KV a remote prefill wrote holds its blocks and needs no new one
+            # to start: it goes first. Behind a head that cannot get blocks it would wait for
+            # as long as nothing frees any; with nothing running, forever (a request that
+            # preempted itself, at the head, ahead of two such prompts: reproduced in
+            # tests/decode_svc/test_remote_admission.py).
+            request = self.waiting.first_holding_kv() or self.waiting.peek()
             if request.num_computed_tokens > 0:
                 # Decode role: the prompt's KV was written from outside into blocks it holds.
                 hit_blocks, num_hit = [], request.num_computed_tokens
@@ -252,7 +269,10 @@ class Scheduler:
             num_new = min(num_new, budget, cap)
             if not self.kv.allocate_slots(request, num_new, hit_blocks):
                 break
-            self.waiting.pop()
+            if request is self.waiting.peek():
+                self.waiting.pop()
+            else:
+                self.waiting.remove(request)
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit

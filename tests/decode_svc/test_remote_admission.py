@@ -210,3 +210,33 @@ def test_the_wait_for_a_prefill_covers_our_prompts_ahead_of_it(tiny_qwen3_path):
     # 200 tokens each at the prior 1 ms per token: 1 s + 4 x (200, 400, ... 1,200 tokens' time).
     assert sorted(timeouts) == pytest.approx([2.0, 2.6, 3.4, 4.2, 5.0, 5.8])
     assert remote._tokens_at == {address: 0}
+
+
+def test_prompts_written_by_a_prefill_start_while_a_preempted_request_waits(tiny_qwen3_path):
+    """Reproduced hang: a request preempted itself (nothing else ran) and went to the head of
+    the queue, ahead of two prompts a prefill had written into the last free blocks. The head
+    needed more blocks than were free, and the two behind it, which needed none, were never
+    admitted: nothing ran, nothing freed a block. Requests whose KV is in place now start
+    ahead of a head that cannot."""
+    core = LLM(str(tiny_qwen3_path), max_model_len=256, num_gpu_blocks_override=17,
+               block_size=BS).engine  # fmt: skip
+    a = Request("a", [5 + i for i in range(16)], SamplingParams(max_tokens=230, ignore_eos=True),
+                set())  # fmt: skip
+    core.add_request(a)
+    while a.num_computed_tokens < 12 * BS:  # 12 full blocks: its next token needs a 13th
+        core.step()
+    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    remote = [Request(f"r{i}", [900 + 16 * i + j for j in range(16)], short, set())
+              for i in range(2)]  # fmt: skip
+    for r in remote:  # 2 blocks each (prompt + first decode slot): the last 4
+        assert core.allocate_for_remote_prefill(r) is not None
+    assert core.kv.num_free_blocks == 0
+    for r in remote:
+        core.add_remote_prefilled(r, first_token=7, logprobs=None, num_cached_tokens=0)
+    num_steps = 0
+    while core.has_unfinished_requests():
+        core.step()
+        num_steps += 1
+        assert num_steps < 2000, (a.status, [r.status for r in remote], core.kv.num_free_blocks)
+    assert a.num_output_tokens == 230 and a.num_preemptions >= 1
+    assert all(r.num_output_tokens == 8 for r in remote)
