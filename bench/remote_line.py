@@ -1,19 +1,21 @@
 """Remote prefills waiting at a decode for KV blocks: how long they wait, CPU, real processes.
 
-`tandem prefill` + `tandem decode` (the tests' tiny Qwen3, dummy weights: host work and
-waiting dominate, as they do beside a GPU's fast steps; UCX on this machine) with a decode cache too small for
+`tandem prefill` + `tandem decode` (UCX on this machine) with a decode cache too small for
 every stream at once, driven over gRPC straight at the decode (no gateway): `--streams`
 closed-loop streams, each sending `--requests` requests one after another (`--prompt-len`
 distinct random token ids, `--max-tokens` generated with ignore_eos, greedy). The first wave
 does not fit, so a line forms; then the streams finish together and free blocks for many at
-once, as the 1P+1D run at 256 streams does on a GPU. Recorded per request, from the `Timings`
-of the decode's final message: `remote_setup_s` (request received -> Prefill call sent: the
-blocks reserved, the line included), `remote_rpc_s`, and the client's TTFT; and the wall of
-the whole run.
+once, as the 1P+1D run at 256 streams does on a GPU. The model is the tests' tiny Qwen3 (dummy
+weights: host work and waiting dominate, as beside a GPU's fast steps) unless `--model` names
+one; with a real model the prefill is slow here, and a burst sent to it tests the bound on
+waiting for its replies (`num_local_prefills`: requests that went back to the decode).
+Recorded per request, from the `Timings` of the decode's final message: `remote_setup_s`
+(request received -> Prefill call sent: the blocks reserved, the line included),
+`remote_rpc_s`, and the client's TTFT; and the wall of the whole run.
 
 With `--baseline-tree PATH` (a checkout of an older commit: `git worktree add /tmp/base REV`),
 the services also run from that tree, alternating with this one for `--rounds` rounds, in one
-run on one machine. Writes `bench/results/remote_line-<date>.json` and prints a table.
+run on one machine. Writes `bench/results/remote_line[_<tag>]-<date>.json`, prints a table.
 Run from the repo root: `python -m bench.remote_line [--baseline-tree PATH]`.
 """
 
@@ -127,8 +129,8 @@ async def drive(args: argparse.Namespace, p_addr: str, d_addr: str, seed: int) -
     }
 
 
-def run_once(args: argparse.Namespace, model: Path, tree: Path | None, seed: int) -> dict[str, Any]:
-    flags = [str(model), "--max-model-len", "512", "--no-enable-prefix-caching"]
+def run_once(args: argparse.Namespace, model: str, tree: Path | None, seed: int) -> dict[str, Any]:
+    flags = [model, "--max-model-len", "512", "--no-enable-prefix-caching"]
     cluster = Cluster(log_prefix=False)
     try:
         with services_from(tree):
@@ -148,6 +150,9 @@ def tree_commit(tree: Path | None) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument(
+        "--model", help="a checkpoint or hub id instead of the tiny model (prompt ids < 2,048)"
+    )
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--requests", type=int, default=4, help="per stream, one after another")
     p.add_argument("--prompt-len", type=int, default=120)
@@ -155,6 +160,7 @@ def main() -> None:
     # 10 blocks of 16 tokens a request: 24 of the 32 streams' first requests fit.
     p.add_argument("--decode-blocks", type=int, default=241)
     p.add_argument("--baseline-tree", type=Path)
+    p.add_argument("--tag", help="in the result's file name")
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     trees: dict[str, Path | None] = {"current": None}
@@ -162,7 +168,7 @@ def main() -> None:
         trees["baseline"] = args.baseline_tree
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
     tmp = tempfile.TemporaryDirectory()
-    model = make_model(Path(tmp.name))
+    model = args.model or str(make_model(Path(tmp.name)))
     for r in range(args.rounds):
         order = list(trees.items()) if r % 2 == 0 else list(reversed(trees.items()))
         for name, tree in order:
@@ -170,7 +176,7 @@ def main() -> None:
             print(f"round {r} {name}: {runs[name][-1]}", flush=True)
     config = {k: v for k, v in vars(args).items() if k != "baseline_tree"}
     config["commits"] = {name: tree_commit(tree) for name, tree in trees.items()}
-    path = write_result("remote_line", config, runs)
+    path = write_result("_".join(["remote_line", *filter(None, [args.tag])]), config, runs)
     tmp.cleanup()
     rows = [
         (name, str(i), str(x["remote_setup_ms"]["mean"]), str(x["remote_setup_ms"]["p99"]),
