@@ -398,8 +398,8 @@ class EngineCore:
 
     def awaiting_in_order(self) -> Iterator[Request]:
         """The remote prefills in line for blocks, first first, each only while the free
-        blocks could hold its prompt (checked again before each: the caller reserves as it
-        goes, with `allocate_for_remote_prefill`)."""
+        blocks could hold its prompt and first decode slot (checked again before each: the
+        caller reserves as it goes, with `allocate_for_remote_prefill`)."""
         for request in list(self.awaiting_blocks.values()):
             if request.request_id not in self.awaiting_blocks:
                 continue  # left the line meanwhile

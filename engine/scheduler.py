@@ -105,7 +105,10 @@ class WaitingQueue:
         (written by a remote prefill), if any waits."""
         if not self.num_holding_kv:
             return None
-        return next((r for r in self if r.num_computed_tokens > 0), None)
+        if self.policy == "fcfs":  # they join at the front: found at once
+            return next((r for r in self._fifo if r.num_computed_tokens > 0), None)
+        held = (e for e in self._heap if e[-1].num_computed_tokens > 0)
+        return min(held, default=(None,))[-1]
 
     def pop(self) -> Request:
         request = self._fifo.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[-1]

@@ -212,14 +212,17 @@ def test_the_wait_for_a_prefill_covers_our_prompts_ahead_of_it(tiny_qwen3_path):
     assert remote._tokens_at == {address: 0}
 
 
-def test_prompts_written_by_a_prefill_start_while_a_preempted_request_waits(tiny_qwen3_path):
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_prompts_written_by_a_prefill_start_while_a_preempted_request_waits(
+    tiny_qwen3_path, policy
+):
     """Reproduced hang: a request preempted itself (nothing else ran) and went to the head of
     the queue, ahead of two prompts a prefill had written into the last free blocks. The head
     needed more blocks than were free, and the two behind it, which needed none, were never
     admitted: nothing ran, nothing freed a block. Requests whose KV is in place now start
     ahead of a head that cannot."""
     core = LLM(str(tiny_qwen3_path), max_model_len=256, num_gpu_blocks_override=17,
-               block_size=BS).engine  # fmt: skip
+               block_size=BS, scheduling_policy=policy).engine  # fmt: skip
     a = Request("a", [5 + i for i in range(16)], SamplingParams(max_tokens=230, ignore_eos=True),
                 set())  # fmt: skip
     core.add_request(a)
