@@ -148,6 +148,7 @@ def test_the_line_is_served_in_one_engine_pass(tiny_qwen3_path):
         in_line = await engine.call(lambda: list(core.awaiting_blocks))
         # The head of what is left leaves (its client went away): the pass skips it.
         tasks[2].cancel()
+        await asyncio.gather(tasks[2], return_exceptions=True)  # it has left (its `finally`)
         await engine.call(lambda: (release(blockers[1]), remote._serve_line()))
         await asyncio.wait_for(asyncio.gather(*tasks[3:]), 5)
         reserved = await engine.call(lambda: sorted(core.reserved))
