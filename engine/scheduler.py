@@ -105,7 +105,7 @@ class WaitingQueue:
         (written by a remote prefill), if any waits."""
         if not self.num_holding_kv:
             return None
-        if self.policy == "fcfs":  # they join at the front: found at once
+        if self.policy == "fcfs":  # they join at the front: found after at most the preempted
             return next((r for r in self._fifo if r.num_computed_tokens > 0), None)
         held = (e for e in self._heap if e[-1].num_computed_tokens > 0)
         return min(held, default=(None,))[-1]

@@ -200,13 +200,17 @@ def test_the_wait_for_a_prefill_covers_our_prompts_ahead_of_it(tiny_qwen3_path):
             assert time.monotonic() < deadline, timeouts
             await asyncio.sleep(0.005)
         HeldPrefill.release.set()
-        return await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        # Each failure's release was queued on the engine thread before this call runs.
+        return outcomes, await engine.call(lambda: (core.kv.num_free_blocks, dict(core.reserved)))
 
+    idle_free = core.kv.num_free_blocks
     try:
-        outcomes = asyncio.run(run())
+        outcomes, (free, reserved) = asyncio.run(run())
     finally:
         engine.shutdown()
         agent.close()
+    assert (free, reserved) == (idle_free, {})  # refused transfers leak no block
     assert outcomes == [None] * 6  # refused by P: each goes back to be prefilled locally
     # 200 tokens each at the prior 1 ms per token: 1 s + 4 x (200, 400, ... 1,200 tokens' time).
     assert sorted(timeouts) == pytest.approx([2.0, 2.6, 3.4, 4.2, 5.0, 5.8])
