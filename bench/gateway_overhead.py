@@ -5,7 +5,9 @@ decode over gRPC directly) at the same rate, per percentile (p50 of one minus p5
 and so on). The fake decode (`--serve-fake-decode`, its own process) streams 4 fixed tokens and
 a Final at once, so what remains is the gateway: HTTP parsing, the edge (allowlist, key hash,
 the quota Lua script in Redis, settlement), chat template + tokenization, routing, the gRPC
-call, detokenization, the JSON response and the access log.
+call (on the fake decode's framed connection, protos/mux_frames.py, once the gateway has it;
+a baseline tree's gateway that predates it stays on gRPC), detokenization, the JSON response and
+the access log.
 
 Per gateway configuration it reports:
   * `cpu_ms_per_request`: the gateway process's CPU time (utime + stime of all its threads,
@@ -76,7 +78,7 @@ from bench.common import (  # noqa: E402
     stop_processes,
     write_result,
 )
-from protos import common_pb2, decode_mux, decode_pb2, decode_pb2_grpc  # noqa: E402
+from protos import common_pb2, decode_mux, decode_pb2, decode_pb2_grpc, mux_frames  # noqa: E402
 
 ensure_internal_token()
 
@@ -106,9 +108,12 @@ class FastDecode(decode_mux.DecodeServicer):
 
 
 async def serve_fake_decode() -> None:
-    server = grpc.aio.server()
-    decode_pb2_grpc.add_DecodeServicer_to_server(FastDecode(), server)
+    """The fast fake decode, on gRPC and on the framed transport (protos/mux_frames.py) as a
+    decode service serves: a gateway that knows the frames moves its requests there."""
+    servicer, server = FastDecode(), grpc.aio.server()
+    decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
+    await mux_frames.FramesServer(servicer, None, None).start("127.0.0.1", 0)  # as insecure
     await server.start()
     print(f"READY fake 127.0.0.1:{port}", flush=True)
     await server.wait_for_termination()

@@ -250,3 +250,24 @@ def internal_channel(address: str, options=None) -> grpc.aio.Channel:
         root_certificates=tls.ca_pem, private_key=tls.key_pem, certificate_chain=tls.cert_pem
     )
     return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+
+
+def frames_auth() -> tuple[bytes | None, ssl.SSLContext | None]:
+    """The token and server TLS context of a framed GenerateMux listener (protos/mux_frames.py)."""
+    token = internal_token()
+    return (token.encode() if token else None), ssl_context(server=True)
+
+
+def ssl_context(server: bool) -> ssl.SSLContext | None:
+    """The mTLS files as an `ssl` context for transports other than gRPC (protos/mux_frames.py),
+    with gRPC's rules: a server requires a client certificate signed by the CA; a client
+    verifies the server's certificate and host name. None when no TLS is configured."""
+    if internal_tls() is None:
+        return None
+    cert, key, ca = (os.environ[n] for n in (ENV_TLS_CERT, ENV_TLS_KEY, ENV_TLS_CA))
+    purpose = ssl.Purpose.CLIENT_AUTH if server else ssl.Purpose.SERVER_AUTH
+    context = ssl.create_default_context(purpose, cafile=ca)
+    context.load_cert_chain(cert, key)
+    if server:
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context

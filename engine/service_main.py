@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,7 +154,11 @@ async def run_service(
     make_servicer: Callable[[ServiceContext], Any],
     add_servicer: Callable[[Any, grpc.aio.Server], None],
     service_name: str | tuple[str, ...],
+    start_listeners: Callable[[Any], Awaitable[Callable[[], None] | None]] | None = None,
 ) -> None:
+    """Serve `role` until a drain, the engine's death or the server's end. `start_listeners`
+    (the decode's framed transport) starts what else the servicer listens on, before the gRPC
+    server starts; it returns what closes them as the service stops."""
     config = engine_config_from_args(args)
     core = EngineCore(config)
     # Diagnosis, off by default: every engine step's timing, written as the service stops.
@@ -177,6 +181,7 @@ async def run_service(
     health = await serve_health(server, service_name, engine)
     drain = _drain_on_signals()
     port = internal_auth.add_port(server, f"{args.host}:{args.port}")
+    close_listeners = await start_listeners(servicer) if start_listeners else None
     await server.start()
     if args.redis_url:
         address = args.advertise_address or f"{args.host}:{port}"
@@ -212,6 +217,8 @@ async def run_service(
             await _drain(server, servicer, health, kv, args.drain_timeout_s)
     finally:
         health.task.cancel()
+        if close_listeners is not None:
+            close_listeners()
         kv.stop()
         engine.shutdown()
         if trace is not None:  # again, whole

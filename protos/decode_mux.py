@@ -48,6 +48,7 @@ MAX_REQUESTS_PER_STREAM = 4096
 # Sent first, before any request: a client writes only once it has seen it, so that no write
 # can race a stream refused at once (UNIMPLEMENTED, UNAUTHENTICATED) and mask its status.
 MUX_METADATA = (("tandem-mux", "1"),)
+FRAMES_METADATA_KEY = "tandem-mux-frames"  # the decode's framed-transport port, if it has one
 _OK = decode_pb2.MuxStatus(code=grpc.StatusCode.OK.value[0])
 
 
@@ -65,6 +66,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     num_rejected_mux_messages = 0
     _mux_streams: set | None = None  # live streams (subclasses need not call __init__)
     is_draining = False
+    frames_port: int | None = None  # set by protos/mux_frames.FramesServer.start
+
+    def mux_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The stream's initial metadata: MUX_METADATA, and the port of the framed transport
+        (protos/mux_frames.py) when this servicer has one, which a client may then prefer."""
+        if self.frames_port is None:
+            return MUX_METADATA
+        return (*MUX_METADATA, (FRAMES_METADATA_KEY, str(self.frames_port)))
 
     def close_mux_streams(self) -> None:
         """Drain: refuse new requests on every stream and end each once its requests have."""
@@ -87,12 +96,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return self._generate_mux_threads
 
     async def _generate_mux_async(self, request_iterator, context):
-        await context.send_initial_metadata(MUX_METADATA)
+        await context.send_initial_metadata(self.mux_metadata())
         async for response in _AsyncMux(self, context).responses(request_iterator):
             yield response
 
     def _generate_mux_threads(self, request_iterator, context):
-        context.send_initial_metadata(MUX_METADATA)
+        context.send_initial_metadata(self.mux_metadata())
         yield from _ThreadMux(self, context).responses(request_iterator)
 
 
@@ -245,7 +254,7 @@ class _AsyncMux:
 
     def _put(self, rid: int, **kind) -> None:
         self.batch.items.add(id=rid, **kind)
-        self.is_ready.set()
+        self.wake()
 
     async def _run(self, rid: int, request, context: _AsyncSubContext) -> None:
         try:
@@ -263,7 +272,7 @@ class _AsyncMux:
         del self.tasks[rid]
         context.is_cancelled = task.cancelled()
         context.terminate(context)
-        self.is_ready.set()  # the stream may be due to end
+        self.wake()  # the stream may be due to end
 
 
 class _SyncSubContext(_SubContext):

@@ -106,3 +106,17 @@ class MuxResponse(_message.Message):
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[MuxItem]
     def __init__(self, items: _Optional[_Iterable[_Union[MuxItem, _Mapping]]] = ...) -> None: ...
+
+class MuxHello(_message.Message):
+    __slots__ = ("token", "version")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    version: int
+    def __init__(self, token: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class MuxWelcome(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...

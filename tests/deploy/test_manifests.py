@@ -124,8 +124,11 @@ def _argv(resources: list[dict], c: dict) -> list[str]:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_args_parse_with_the_services_own_parsers(variant):
     """Every flag in the manifests exists, with a value of the right type."""
-    from engine.service_main import service_parser
+    from decode_svc.server import build_parser as decode_parser
     from gateway.__main__ import parse_args as gateway_parse_args
+    from prefill_svc.server import build_parser as prefill_parser
+
+    parsers = {"decode": decode_parser, "prefill": prefill_parser}
 
     resources = render(variant)
     roles = set()
@@ -140,7 +143,7 @@ def test_args_parse_with_the_services_own_parsers(variant):
                 args = gateway_parse_args(rest)
                 assert args.host == "0.0.0.0" and args.metrics_host == "0.0.0.0"
             else:
-                args = service_parser(role).parse_args(rest)
+                args = parsers[role]().parse_args(rest)
                 assert args.advertise_address and not args.advertise_address.startswith("0.")
                 assert args.metrics_port is not None and args.metrics_host == "0.0.0.0"
         except SystemExit:

@@ -20,6 +20,7 @@ import pytest
 from engine import internal_auth
 from engine.params_proto import sampling_params_to_proto
 from engine.sampling_params import SamplingParams
+from gateway import mux as mux_module
 from gateway.clients import DecodeClients
 from gateway.dispatch import Dispatcher, RequestOptions
 from gateway.errors import DECODE_FAILED_MID_STREAM, APIError
@@ -27,7 +28,7 @@ from gateway.mux import MuxCall
 from gateway.preprocess import ChildJob
 from gateway.registry import Instance
 from gateway.router import Outcome, Route
-from protos import decode_pb2, decode_pb2_grpc
+from protos import decode_pb2, decode_pb2_grpc, mux_frames
 from tests.protos.echo_decode import (
     ABORT,
     REFUSE,
@@ -332,6 +333,91 @@ def test_the_stream_carries_the_internal_token_and_is_refused_without(monkeypatc
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
             await clients.close()
         finally:
+            await server.stop(None)
+
+    asyncio.run(run())
+
+
+async def _until(condition, timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+def test_requests_move_to_the_framed_connection_the_decode_advertises(monkeypatch):
+    monkeypatch.setenv(internal_auth.ENV_TOKEN, "mux-token-for-tests-0123456789")
+
+    async def run():
+        servicer, counts = EchoDecode(0.01), CountMethods()
+        interceptors = [counts, *internal_auth.server_interceptors()]
+        server, address = await serve_aio(servicer, interceptors=interceptors)
+        frames = mux_frames.FramesServer(servicer, *internal_auth.frames_auth())
+        await frames.start("127.0.0.1", 0)
+        clients, d = DecodeClients(), Instance(address, "d")
+        try:
+            first = clients.generate(d, request("first", [1, 2]))
+            assert (await read_all(first))[0] == [1, 2]
+            generate = clients._generates[address]
+            await _until(lambda: generate.frames is not None and generate.frames.is_open)
+            prompts = {f"r{i}": [100 * i + k for k in range(1, 9)] for i in range(1, 9)}
+            calls = {rid: clients.generate(d, request(rid, p)) for rid, p in prompts.items()}
+            assert all(call._stream is generate.frames for call in calls.values())
+            results = await asyncio.gather(*(read_all(c) for c in calls.values()))
+            for (rid, prompt), (tokens, kinds) in zip(prompts.items(), results):
+                assert tokens == prompt, rid
+                assert kinds == ["tokens"] * 8 + ["final"]
+            assert counts.counts == {"GenerateMux": 1}  # the rest went on the frames
+            assert len(frames.connections) == 1 and frames.num_rejected == 0
+            # A cancel on the frames aborts its request at the decode, as on the stream.
+            long = clients.generate(d, request("long", list(range(1, 300))))
+            await long.read()
+            assert long.cancel()
+            await _until(lambda: "long" in servicer.cancelled)
+        finally:
+            await clients.close()
+            frames.close()
+            await server.stop(None)
+
+    asyncio.run(run())
+
+
+def test_a_broken_framed_connection_fails_its_requests_and_grpc_serves_until_it_is_back(
+    monkeypatch,
+):
+    monkeypatch.setattr(mux_module, "FRAMES_RETRY_S", 0.05)
+
+    async def run():
+        servicer = EchoDecode(0.02)
+        server, address = await serve_aio(servicer)
+        frames = mux_frames.FramesServer(servicer, *internal_auth.frames_auth())
+        port = await frames.start("127.0.0.1", 0)
+        clients, d = DecodeClients(), Instance(address, "d")
+        try:
+            await read_all(clients.generate(d, request("first", [1])))
+            generate = clients._generates[address]
+            await _until(lambda: generate.frames is not None and generate.frames.is_open)
+            on_frames = clients.generate(d, request("on-frames", list(range(1, 300))))
+            await on_frames.read()
+            frames.close()  # the decode's listener goes, and the connection with it
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await read_all(on_frames)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            await _until(lambda: "on-frames" in servicer.cancelled)  # aborted at the decode
+            on_grpc = clients.generate(d, request("on-grpc", [3, 4]))
+            assert on_grpc._stream is generate.stream
+            assert (await read_all(on_grpc))[0] == [3, 4]
+            frames = mux_frames.FramesServer(servicer, *internal_auth.frames_auth())
+            await frames.start("127.0.0.1", port)  # back, where the stream advertised it
+            async with asyncio.timeout(10):  # each request tries again after the back-off
+                while generate.frames is None or not generate.frames.is_open:
+                    await read_all(clients.generate(d, request("poke", [5])))
+                    await asyncio.sleep(0.05)
+            again = clients.generate(d, request("again", [6, 7]))
+            assert again._stream is generate.frames
+            assert (await read_all(again))[0] == [6, 7]
+        finally:
+            await clients.close()
+            frames.close()
             await server.stop(None)
 
     asyncio.run(run())

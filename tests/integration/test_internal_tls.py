@@ -1,6 +1,7 @@
 """Optional mTLS under the internal token: with TANDEM_INTERNAL_TLS_{CERT,KEY,CA} set, gateway,
-decode and prefill talk TLS with client certificates; a client without a certificate, with one
-from another CA, or in plaintext cannot connect, and the token is still required."""
+decode and prefill talk TLS with client certificates (the gateway's framed connections to the
+decodes too); a client without a certificate, with one from another CA, or in plaintext cannot
+connect, and the token is still required."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import pytest
 
 from engine import internal_auth
 from engine.sampling_params import SamplingParams
+from gateway.clients import DecodeClients
+from gateway.registry import Instance
 from protos import common_pb2, decode_pb2_grpc
 from tests.e2e.cluster import deploy
 from tests.fixtures.pki import make_pki, tls_env
@@ -105,3 +108,37 @@ def test_mtls_still_needs_the_token(deployment, pki):
     with pytest.raises(grpc.aio.AioRpcError) as e:
         _get_load(channel, None)
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def _read_tokens(call) -> tuple[list[int], str]:
+    tokens, finish = [], ""
+    while (message := await call.read()) is not grpc.aio.EOF:
+        tokens += message.tokens.token_ids
+        finish = message.final.finish_reason or finish
+    return tokens, finish
+
+
+def test_the_gateways_framed_connection_to_a_decode_has_mtls_and_the_token(deployment):
+    """The decode service advertises its framed port (protos/mux_frames.py) on the gRPC stream;
+    the gateway's client connects with this process's certificate and token and gets the same
+    greedy tokens there, from both a local and a remote prefill."""
+    d, p_addr = Instance(deployment.decodes[0].address, "d"), deployment.prefills[0].address
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+    async def run():
+        clients = DecodeClients()
+        try:
+            on_grpc = clients.generate(d, generate_request("g1", [5, 6, 7], params))
+            expected = await _read_tokens(on_grpc)
+            generate = clients._generates[d.address]
+            async with asyncio.timeout(30):
+                while generate.frames is None or not generate.frames.is_open:
+                    await asyncio.sleep(0.02)
+            for rid, prefills in (("f1", []), ("f2", [p_addr])):
+                call = clients.generate(d, generate_request(rid, [5, 6, 7], params, prefills))
+                assert call._stream is generate.frames
+                assert await _read_tokens(call) == expected
+        finally:
+            await clients.close()
+
+    asyncio.run(run())
