@@ -182,9 +182,9 @@ class MuxStream:
             # Refused at once (trailers only): a write now could fail and, in grpc.aio, replace
             # the refusal's status (UNIMPLEMENTED, UNAUTHENTICATED) with INTERNAL.
             return
-        for key, value in metadata:
-            if key == decode_mux.FRAMES_METADATA_KEY and self._on_frames_port is not None:
-                self._on_frames_port(int(value))
+        if self._on_frames_port is not None:  # None when the decode has none (any more)
+            ports = [int(v) for k, v in metadata if k == decode_mux.FRAMES_METADATA_KEY]
+            self._on_frames_port(ports[0] if ports else None)
         outbox = self._outbox
         while True:
             await outbox.wait()
@@ -282,7 +282,13 @@ class FramedStream(asyncio.Protocol):
 
     @property
     def is_open(self) -> bool:
-        return self.error is None and self._welcomed.done() and self.transport is not None
+        transport = self.transport
+        return (
+            self.error is None
+            and self._welcomed.done()
+            and transport is not None
+            and not transport.is_closing()
+        )
 
     def start(self, request: decode_pb2.GenerateRequest) -> MuxCall:
         rid, self._next_id = self._next_id, self._next_id + 1
@@ -365,7 +371,7 @@ class DecodeGenerate:
             stream = self.stream = MuxStream(self.stub, self.address, self._on_frames_port)
         return stream.start(request)
 
-    def _on_frames_port(self, port: int) -> None:
+    def _on_frames_port(self, port: int | None) -> None:
         self._frames_port = port
         self._connect_frames()
 

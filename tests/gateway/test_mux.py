@@ -421,3 +421,39 @@ def test_a_broken_framed_connection_fails_its_requests_and_grpc_serves_until_it_
             await server.stop(None)
 
     asyncio.run(run())
+
+
+def test_a_decode_restarted_without_the_frames_is_not_dialed_there_again():
+    async def run():
+        servicer = EchoDecode()
+        server, address = await serve_aio(servicer)
+        frames = mux_frames.FramesServer(servicer, None, None)
+        await frames.start("127.0.0.1", 0)
+        clients, d = DecodeClients(), Instance(address, "d")
+        try:
+            await read_all(clients.generate(d, request("first", [1])))
+            generate = clients._generates[address]
+            await _until(lambda: generate.frames is not None and generate.frames.is_open)
+            frames.close()
+            await server.stop(None)
+            servicer = EchoDecode()  # --mux-port -1: gRPC only, on the same address
+            server, _ = await serve_aio(servicer, port=int(address.rsplit(":", 1)[1]))
+            async with asyncio.timeout(15):  # UNAVAILABLE until the channel reconnects
+                while True:
+                    try:
+                        assert (await read_all(clients.generate(d, request("x", [2]))))[0] == [2]
+                        break
+                    except grpc.aio.AioRpcError as e:
+                        assert e.code() == grpc.StatusCode.UNAVAILABLE
+                        await asyncio.sleep(0.05)
+            assert generate._frames_port is None  # the new stream advertised none
+            generate._frames_after_s = 0.0  # past any back-off: still nothing to dial
+            call = clients.generate(d, request("y", [3]))
+            assert call._stream is generate.stream and generate._frames_task is None
+            assert (await read_all(call))[0] == [3]
+        finally:
+            await clients.close()
+            frames.close()
+            await server.stop(None)
+
+    asyncio.run(run())
