@@ -63,6 +63,13 @@ class Client:
             client.send(decode_pb2.MuxHello(token=token, version=mux_frames.FRAMES_VERSION))
         return client
 
+    @classmethod
+    async def welcomed(cls, port: int, context=None) -> Client:
+        """Connected with the token and past the hello."""
+        client = await cls.connect(port, context=context)
+        await client.welcome()
+        return client
+
     def send(self, *messages) -> None:
         for message in messages:
             self.writer.write(mux_frames.frame(message))
@@ -140,8 +147,7 @@ def test_requests_interleave_and_errors_and_cancels_stay_with_their_own(token):
 def test_a_closed_connection_cancels_its_requests(token):
     async def run():
         async with listening(delay_s=0.05) as (servicer, server, port):
-            client = await Client.connect(port)
-            await client.welcome()
+            client = await Client.welcomed(port)
             client.send(start(1, list(range(1, 200))), start(2, list(range(1, 200))))
             await client.until(lambda: client.tokens[1] and client.tokens[2])
             client.close()
@@ -157,8 +163,7 @@ def test_a_closed_connection_cancels_its_requests(token):
 def test_drain_refuses_new_starts_and_ends_the_connection_after_its_own(token):
     async def run():
         async with listening(delay_s=0.02) as (servicer, _, port):
-            client = await Client.connect(port)
-            await client.welcome()
+            client = await Client.welcomed(port)
             client.send(start(1, list(range(1, 20))))
             await client.until(lambda: client.tokens[1])
             servicer.close_mux_streams()
@@ -175,8 +180,7 @@ def test_drain_refuses_new_starts_and_ends_the_connection_after_its_own(token):
 def test_a_half_closed_connection_ends_after_its_requests(token):
     async def run():
         async with listening(delay_s=0.02) as (_, _, port):
-            client = await Client.connect(port)
-            await client.welcome()
+            client = await Client.welcomed(port)
             client.send(start(1, list(range(1, 10))))
             client.writer.write_eof()
             await client.until_closed()
@@ -196,8 +200,7 @@ async def _refused(port: int, data: bytes, token: str | None = None) -> None:
 def test_no_bytes_on_the_port_stop_the_listener_or_other_connections(token):
     async def run():
         async with listening(delay_s=0.02) as (servicer, server, port):
-            good = await Client.connect(port)
-            await good.welcome()
+            good = await Client.welcomed(port)
             good.send(start(1, list(range(1, 100))))
             hello = decode_pb2.MuxHello(token="a-wrong-token-0123456789")
             bad_firsts = [
@@ -220,8 +223,7 @@ def test_no_bytes_on_the_port_stop_the_listener_or_other_connections(token):
             await good.until(lambda: good.tokens[1] == list(range(1, 100)) and good.ends[1])
             assert good.ends[0][0][0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
             assert servicer.cancelled == []
-            fresh = await Client.connect(port)
-            await fresh.welcome()
+            fresh = await Client.welcomed(port)
             fresh.send(start(7, [7, 8]))
             await fresh.until(lambda: fresh.ends[7])
             assert fresh.tokens[7] == [7, 8]
@@ -248,8 +250,7 @@ def test_connections_without_a_hello_are_bounded_in_number_and_time(token, monke
             async with asyncio.timeout(10):
                 while server.num_handshakes:
                     await asyncio.sleep(0.01)
-            client = await Client.connect(port)
-            await client.welcome()
+            client = await Client.welcomed(port)
             client.close()
             monkeypatch.setattr(mux_frames, "HELLO_TIMEOUT_S", 0.2)
             slow = await Client.connect(port, token=None)
@@ -266,8 +267,7 @@ def test_under_mtls_a_certificate_from_the_ca_is_required(token, monkeypatch, tm
 
     async def run():
         async with listening() as (_, _, port):
-            client = await Client.connect(port, context=internal_auth.ssl_context(server=False))
-            await client.welcome()
+            client = await Client.welcomed(port, context=internal_auth.ssl_context(server=False))
             client.send(start(1, [5, 6]))
             await client.until(lambda: client.ends[1])
             assert client.tokens[1] == [5, 6]
@@ -281,7 +281,6 @@ def test_under_mtls_a_certificate_from_the_ca_is_required(token, monkeypatch, tm
                     await client.welcome()  # TLS 1.3: the refusal may come at the first read
                     pytest.fail("welcomed without a valid client certificate")
             with pytest.raises(ConnectionError):  # nor does a plain connection get through
-                client = await Client.connect(port)
-                await client.welcome()
+                client = await Client.welcomed(port)
 
     asyncio.run(run())
