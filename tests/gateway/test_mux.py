@@ -230,9 +230,10 @@ def test_refused_and_unreachable_decodes_fail_over(model_info):
     asyncio.run(run())
 
 
-def _start_echo_process(address: str, delay_s: float) -> subprocess.Popen:
+def _start_echo_process(address: str, delay_s: float, frames: bool = False) -> subprocess.Popen:
     port = address.rsplit(":", 1)[1]
     args = [sys.executable, "-m", "tests.protos.echo_decode", port, str(delay_s)]
+    args += ["--frames"] if frames else []
     proc = subprocess.Popen(args, stdout=subprocess.PIPE)
     line = proc.stdout.readline().decode()
     assert line.startswith("READY"), line
@@ -457,3 +458,54 @@ def test_a_decode_restarted_without_the_frames_is_not_dialed_there_again():
             await server.stop(None)
 
     asyncio.run(run())
+
+
+def test_a_dying_decode_fails_every_request_on_its_frames_and_a_restarted_one_serves_there(
+    model_info, monkeypatch
+):
+    monkeypatch.setattr(mux_module, "FRAMES_RETRY_S", 0.05)
+    address = _unused_address()
+    proc = _start_echo_process(address, delay_s=0.05, frames=True)
+
+    async def run():
+        nonlocal proc
+        clients = DecodeClients()
+        d = Instance(address, "d")
+        dispatcher = Dispatcher(FixedRouter([d]), clients, model_info.tokenizer)
+        assert await _texts(dispatcher, [[4, 5]]) == [[4, 5]]  # on gRPC: learns the frames
+        generate = clients._generates[address]
+        await _until(lambda: generate.frames is not None and generate.frames.is_open)
+        frames = generate.frames
+        jobs = [ChildJob(i, list(range(1, 200)), PARAMS) for i in range(3)]
+        streams = await dispatcher.start(jobs, RequestOptions("dying"))
+        assert len(frames.calls) == 3
+        iterators = [s.deltas() for s in streams]
+        for it in iterators:
+            await anext(it)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for it in iterators:
+            with pytest.raises(APIError) as e:
+                while True:
+                    await anext(it)
+            assert e.value.message == DECODE_FAILED_MID_STREAM
+        assert frames.error.code() == grpc.StatusCode.UNAVAILABLE and not frames.calls
+        proc = _start_echo_process(address, delay_s=0.0, frames=True)  # another frames port
+        async with asyncio.timeout(15):
+            while generate.frames is None or generate.frames is frames:
+                try:
+                    assert await _texts(dispatcher, [[7, 8, 9]]) == [[7, 8, 9]]
+                except APIError:  # until the channel has reconnected
+                    pass
+                await asyncio.sleep(0.05)
+            await _until(lambda: generate.frames.is_open)
+        sent_before = generate.frames._next_id
+        assert await _texts(dispatcher, [[1, 2]]) == [[1, 2]]
+        assert generate.frames._next_id == sent_before + 1  # it went on the new frames
+        await clients.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        proc.kill()
+        proc.wait()

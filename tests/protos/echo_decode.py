@@ -5,8 +5,9 @@ one for a thread-pool server, and a plain one without GenerateMux (an older deco
 that starts with ABORT aborts (INVALID_ARGUMENT), REFUSE aborts RESOURCE_EXHAUSTED, RAISE
 raises. Each records the request ids it finished and those cancelled under it.
 
-`python -m tests.protos.echo_decode PORT [DELAY_S]` serves the aio one (the token of the
-environment required, as a service does) and prints `READY`.
+`python -m tests.protos.echo_decode PORT [DELAY_S] [--frames]` serves the aio one (the token of
+the environment required, as a service does; with --frames also on the framed transport,
+protos/mux_frames.py) and prints `READY`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from concurrent import futures
 import grpc
 
 from engine import internal_auth
-from protos import common_pb2, decode_mux, decode_pb2, decode_pb2_grpc
+from protos import common_pb2, decode_mux, decode_pb2, decode_pb2_grpc, mux_frames
 
 ABORT, REFUSE, RAISE = -1, -2, -3
 
@@ -137,12 +138,16 @@ def serve_threads(servicer: ThreadEchoDecode) -> tuple[grpc.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
-async def _main(port: int, delay_s: float) -> None:
+async def _main(port: int, delay_s: float, frames: bool) -> None:
     interceptors = internal_auth.server_interceptors()
-    server, address = await serve_aio(EchoDecode(delay_s), port, interceptors)
+    servicer = EchoDecode(delay_s)
+    if frames:  # before the gRPC server starts, so that every stream advertises them
+        await mux_frames.FramesServer(servicer, *internal_auth.frames_auth()).start("127.0.0.1", 0)
+    server, address = await serve_aio(servicer, port, interceptors)
     print(f"READY {address}", flush=True)
     await server.wait_for_termination()
 
 
 if __name__ == "__main__":
-    asyncio.run(_main(int(sys.argv[1]), float(sys.argv[2]) if len(sys.argv) > 2 else 0.0))
+    delay = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
+    asyncio.run(_main(int(sys.argv[1]), delay, "--frames" in sys.argv[3:]))
