@@ -58,16 +58,23 @@ class FrameError(ValueError):
 
 
 class FrameReader:
-    """Splits a byte stream into frames' payloads (bytes), refusing any over `max_bytes`."""
+    """Splits a byte stream into frames' payloads (bytes), refusing any over `max_bytes`.
 
-    __slots__ = ("max_bytes", "_buffer")
+    Data holding whole frames is sliced as it comes; a partial frame is kept in a bytearray
+    that later data extends in place, so a large frame arriving in many reads is copied about
+    once, not once per read."""
+
+    __slots__ = ("max_bytes", "_partial")
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._buffer = b""
+        self._partial = bytearray()
 
     def feed(self, data: bytes) -> list[bytes]:
-        buffer = self._buffer + data if self._buffer else data
+        buffer: bytes | bytearray = data
+        if self._partial:
+            self._partial += data
+            buffer = self._partial
         frames, start, size = [], 0, len(buffer)
         while size - start >= HEADER.size:
             (length,) = HEADER.unpack_from(buffer, start)
@@ -76,9 +83,12 @@ class FrameReader:
             end = start + HEADER.size + length
             if end > size:
                 break
-            frames.append(buffer[start + HEADER.size : end])
+            frames.append(bytes(buffer[start + HEADER.size : end]))
             start = end
-        self._buffer = buffer[start:] if start < size else b""
+        if buffer is self._partial:
+            del self._partial[:start]
+        elif start < size:
+            self._partial = bytearray(data[start:])
         return frames
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import ssl
 from collections import defaultdict
 
@@ -284,3 +285,18 @@ def test_under_mtls_a_certificate_from_the_ca_is_required(token, monkeypatch, tm
                 client = await Client.welcomed(port)
 
     asyncio.run(run())
+
+
+def test_the_reader_splits_frames_however_the_bytes_arrive():
+    rng = random.Random(7)
+    messages = [start(i, list(range(rng.randrange(0, 5000)))) for i in range(1, 40)]
+    stream = b"".join(mux_frames.frame(m) for m in messages)
+    for _ in range(20):
+        reader, payloads, position = mux_frames.FrameReader(1 << 20), [], 0
+        while position < len(stream):  # reads of 1 byte to 64 KiB: headers and frames split
+            size = rng.choice([1, 3, 4, 5, rng.randrange(1, 65536)])
+            payloads += reader.feed(stream[position : position + size])
+            position += size
+        assert [decode_pb2.MuxRequest.FromString(p) for p in payloads] == messages
+    with pytest.raises(mux_frames.FrameError):
+        mux_frames.FrameReader(10).feed(mux_frames.HEADER.pack(11))
