@@ -4,13 +4,16 @@ Same load as `bench/gateway_overhead.py` (an `edge` gateway: key file + Redis qu
 chat completion at a fixed rate, the fast fake decode), with the gateway's `Generate` carried
 by one of several transports, each its own gateway process, windows interleaved (the order
 alternating per round, so that the bias of coming first in a pair cancels out):
-  * `grpc`: as shipped: the `GenerateMux` stream on grpc.aio (gateway/mux.py);
+  * `frames`: as shipped: the decode's framed connection (protos/mux_frames.py), which the
+    fake decode advertises on its gRPC stream as a decode service does;
+  * `grpc`: the `GenerateMux` stream on grpc.aio (gateway/mux.py), the advertised frames
+    ignored (what shipped before them);
   * `grpc:K=V;K=V`: the same with environment variables set in the gateway only (grpc core
     settings such as `GRPC_EXPERIMENTS=-event_engine_client` or `GRPC_POLL_STRATEGY=poll`);
   * `raw`: the same `GenerateMux` messages (MuxRequest / MuxResponse, batched alike by the fake
     decode) as 4-byte-length-prefixed frames on a plain TCP socket read by the gateway's own
-    event loop: no gRPC thread on the path. A measuring prototype only: no authentication, no
-    TLS, no reconnection;
+    event loop: no gRPC thread on the path. The 12-03 measuring prototype of `frames`: no
+    authentication, no TLS, no reconnection;
   * `inproc`: no transport at all: `Generate` answered inside the gateway after a 1 ms timer
     (one loop wake-up standing for the response's arrival). The floor of any transport.
 Per window: the gateway's CPU per request from every thread's `schedstat` (ns, exact), split by
@@ -20,8 +23,8 @@ preemptions by other processes on the machine); and the fake decode's CPU and wa
 request in the same window (its side of the transport).
 
 Writes `bench/results/gateway_transport-<date>.json` (`--tag` adds a suffix to the name).
-Run from the repo root: `python -m bench.gateway_transport --variant grpc --variant raw`
-(default: grpc, raw and inproc, 10 rounds of 10 s windows at 100 req/s).
+Run from the repo root: `python -m bench.gateway_transport --variant grpc --variant frames`
+(default: grpc, frames, raw and inproc, 10 rounds of 10 s windows at 100 req/s).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import grpc  # noqa: E402
 
 from bench import gateway_overhead as overhead  # noqa: E402
 from bench.common import stop_processes, write_result  # noqa: E402
-from protos import common_pb2, decode_pb2, decode_pb2_grpc  # noqa: E402
+from protos import common_pb2, decode_pb2, decode_pb2_grpc, mux_frames  # noqa: E402
 
 _FRAME = struct.Struct(">I")
 _OK = decode_pb2.MuxStatus(code=grpc.StatusCode.OK.value[0])
@@ -131,6 +134,7 @@ async def serve_fake_decode() -> None:
     server = grpc.aio.server()
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
+    await mux_frames.FramesServer(servicer, None, None).start("127.0.0.1", 0)
     await server.start()
     loop = asyncio.get_running_loop()
     raw = await loop.create_server(lambda: RawDecodeProtocol(servicer), "127.0.0.1", 0)
@@ -224,10 +228,12 @@ class InprocCall:
 
 
 def run_gateway(variant: str, argv: list[str]) -> None:
-    """`python -m gateway ARGV` with `Generate` carried by `variant` (raw or inproc)."""
-    from gateway import clients
+    """`python -m gateway ARGV` with `Generate` carried by `variant` (grpc, raw or inproc)."""
+    from gateway import clients, mux
 
-    if variant == "raw":
+    if variant == "grpc":
+        mux.DecodeGenerate._on_frames_port = lambda self, port: None
+    elif variant == "raw":
         host, port = os.environ[ENV_RAW_DECODE].rsplit(":", 1)
         streams: dict[str, RawMuxStream] = {}
 
@@ -341,10 +347,10 @@ def start_variant(variant: str, fake: str, raw_port: str, redis_url: str, workdi
     folder.mkdir()
     kind, _, settings = variant.partition(":")
     env = dict(kv.split("=", 1) for kv in settings.split(";") if kv)
-    if kind not in ("grpc", "raw", "inproc") or (env and kind != "grpc"):
+    if kind not in ("frames", "grpc", "raw", "inproc") or (env and kind != "grpc"):
         raise SystemExit(f"unknown variant {variant!r}")
     entry = ("-m", "gateway")
-    if kind != "grpc":
+    if kind != "frames":
         entry = ("-m", "bench.gateway_transport", "--serve-gateway", kind)
         env[ENV_RAW_DECODE] = f"127.0.0.1:{raw_port}"
     gw = overhead.start_gateway("edge", fake, redis_url, folder, entry=entry, extra_env=env)
@@ -409,7 +415,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     from tests.redis_server import RedisServer
 
-    variants = args.variants or ["grpc", "raw", "inproc"]
+    variants = args.variants or ["grpc", "frames", "raw", "inproc"]
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     workdir = Path(tempfile.mkdtemp(prefix="gateway_transport-"))
     redis = RedisServer(workdir)
