@@ -12,8 +12,8 @@ Lifecycle of a stream (`MuxStream`), one per channel:
   UNIMPLEMENTED (a decode without GenerateMux) → its requests, and those to that decode for
     `UNARY_FALLBACK_S`, are unary `Generate` calls.
 The framed transport (protos/mux_frames.py: the same messages on a socket the event loop reads
-itself, without grpc.aio's threads: 2.19 instead of 2.87 ms of the gateway's CPU per request,
-bench/README.md "The gateway's requests on framed TCP instead of gRPC"): a
+itself, without grpc.aio's threads: 0.23-0.68 ms less of the gateway's CPU per request, 0.17 ms
+less at the decode, bench/README.md "The gateway's requests on framed TCP instead of gRPC"): a
 decode that has it advertises its port in the stream's initial metadata; `DecodeGenerate` then
 connects (`FramedStream`: mTLS and the internal token as gRPC) and sends new requests there
 while it is open. A framed connection that cannot be made, or breaks, sends requests back to
