@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -345,21 +346,41 @@ async def _until(condition, timeout_s: float = 10.0) -> None:
             await asyncio.sleep(0.01)
 
 
+@contextlib.asynccontextmanager
+async def framed_decode(servicer, interceptors=()):
+    """A decode on loopback serving gRPC and frames (with this process's internal auth), and the
+    gateway's clients to it. Tests may replace `rig.server` and `rig.frames`; the ones there at
+    the end are stopped."""
+    server, address = await serve_aio(servicer, interceptors=interceptors)
+    frames = mux_frames.FramesServer(servicer, *internal_auth.frames_auth())
+    port = await frames.start("127.0.0.1", 0)
+    rig = SimpleNamespace(server=server, address=address, frames=frames, frames_port=port)
+    rig.clients, rig.d = DecodeClients(), Instance(address, "d")
+    try:
+        yield rig
+    finally:
+        await rig.clients.close()
+        rig.frames.close()
+        await rig.server.stop(None)
+
+
+async def _open_frames(rig) -> mux_module.DecodeGenerate:
+    """A first request (on gRPC, which advertises the frames), then until the frames are open."""
+    assert (await read_all(rig.clients.generate(rig.d, request("first", [1, 2]))))[0] == [1, 2]
+    generate = rig.clients._generates[rig.address]
+    await _until(lambda: generate.frames is not None and generate.frames.is_open)
+    return generate
+
+
 def test_requests_move_to_the_framed_connection_the_decode_advertises(monkeypatch):
     monkeypatch.setenv(internal_auth.ENV_TOKEN, "mux-token-for-tests-0123456789")
 
     async def run():
         servicer, counts = EchoDecode(0.01), CountMethods()
         interceptors = [counts, *internal_auth.server_interceptors()]
-        server, address = await serve_aio(servicer, interceptors=interceptors)
-        frames = mux_frames.FramesServer(servicer, *internal_auth.frames_auth())
-        await frames.start("127.0.0.1", 0)
-        clients, d = DecodeClients(), Instance(address, "d")
-        try:
-            first = clients.generate(d, request("first", [1, 2]))
-            assert (await read_all(first))[0] == [1, 2]
-            generate = clients._generates[address]
-            await _until(lambda: generate.frames is not None and generate.frames.is_open)
+        async with framed_decode(servicer, interceptors) as rig:
+            clients, d, frames = rig.clients, rig.d, rig.frames
+            generate = await _open_frames(rig)
             prompts = {f"r{i}": [100 * i + k for k in range(1, 9)] for i in range(1, 9)}
             calls = {rid: clients.generate(d, request(rid, p)) for rid, p in prompts.items()}
             assert all(call._stream is generate.frames for call in calls.values())
@@ -374,10 +395,6 @@ def test_requests_move_to_the_framed_connection_the_decode_advertises(monkeypatc
             await long.read()
             assert long.cancel()
             await _until(lambda: "long" in servicer.cancelled)
-        finally:
-            await clients.close()
-            frames.close()
-            await server.stop(None)
 
     asyncio.run(run())
 
@@ -389,17 +406,12 @@ def test_a_broken_framed_connection_fails_its_requests_and_grpc_serves_until_it_
 
     async def run():
         servicer = EchoDecode(0.02)
-        server, address = await serve_aio(servicer)
-        frames = mux_frames.FramesServer(servicer, *internal_auth.frames_auth())
-        port = await frames.start("127.0.0.1", 0)
-        clients, d = DecodeClients(), Instance(address, "d")
-        try:
-            await read_all(clients.generate(d, request("first", [1])))
-            generate = clients._generates[address]
-            await _until(lambda: generate.frames is not None and generate.frames.is_open)
+        async with framed_decode(servicer) as rig:
+            clients, d = rig.clients, rig.d
+            generate = await _open_frames(rig)
             on_frames = clients.generate(d, request("on-frames", list(range(1, 300))))
             await on_frames.read()
-            frames.close()  # the decode's listener goes, and the connection with it
+            rig.frames.close()  # the decode's listener goes, and the connection with it
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await read_all(on_frames)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -407,8 +419,8 @@ def test_a_broken_framed_connection_fails_its_requests_and_grpc_serves_until_it_
             on_grpc = clients.generate(d, request("on-grpc", [3, 4]))
             assert on_grpc._stream is generate.stream
             assert (await read_all(on_grpc))[0] == [3, 4]
-            frames = mux_frames.FramesServer(servicer, *internal_auth.frames_auth())
-            await frames.start("127.0.0.1", port)  # back, where the stream advertised it
+            rig.frames = mux_frames.FramesServer(servicer, *internal_auth.frames_auth())
+            await rig.frames.start("127.0.0.1", rig.frames_port)  # back, where it was advertised
             async with asyncio.timeout(10):  # each request tries again after the back-off
                 while generate.frames is None or not generate.frames.is_open:
                     await read_all(clients.generate(d, request("poke", [5])))
@@ -416,29 +428,19 @@ def test_a_broken_framed_connection_fails_its_requests_and_grpc_serves_until_it_
             again = clients.generate(d, request("again", [6, 7]))
             assert again._stream is generate.frames
             assert (await read_all(again))[0] == [6, 7]
-        finally:
-            await clients.close()
-            frames.close()
-            await server.stop(None)
 
     asyncio.run(run())
 
 
 def test_a_decode_restarted_without_the_frames_is_not_dialed_there_again():
     async def run():
-        servicer = EchoDecode()
-        server, address = await serve_aio(servicer)
-        frames = mux_frames.FramesServer(servicer, None, None)
-        await frames.start("127.0.0.1", 0)
-        clients, d = DecodeClients(), Instance(address, "d")
-        try:
-            await read_all(clients.generate(d, request("first", [1])))
-            generate = clients._generates[address]
-            await _until(lambda: generate.frames is not None and generate.frames.is_open)
-            frames.close()
-            await server.stop(None)
-            servicer = EchoDecode()  # --mux-port -1: gRPC only, on the same address
-            server, _ = await serve_aio(servicer, port=int(address.rsplit(":", 1)[1]))
+        async with framed_decode(EchoDecode()) as rig:
+            clients, d = rig.clients, rig.d
+            generate = await _open_frames(rig)
+            rig.frames.close()
+            await rig.server.stop(None)
+            port = int(rig.address.rsplit(":", 1)[1])  # --mux-port -1: gRPC only, same address
+            rig.server, _ = await serve_aio(EchoDecode(), port=port)
             async with asyncio.timeout(15):  # UNAVAILABLE until the channel reconnects
                 while True:
                     try:
@@ -452,10 +454,6 @@ def test_a_decode_restarted_without_the_frames_is_not_dialed_there_again():
             call = clients.generate(d, request("y", [3]))
             assert call._stream is generate.stream and generate._frames_task is None
             assert (await read_all(call))[0] == [3]
-        finally:
-            await clients.close()
-            frames.close()
-            await server.stop(None)
 
     asyncio.run(run())
 
