@@ -194,6 +194,7 @@ class DecodeServicer(decode_mux.DecodeServicer, Draining):
         rejected = {
             "num_rejected_kv_messages": self.agent.num_rejected_messages,
             "num_rejected_mux_messages": self.num_rejected_mux_messages,  # protos/decode_mux.py
+            "num_rejected_frame_connections": self.num_rejected_frame_connections,  # mux_frames
         }
         served = {}
         if self.prefill is not None:  # kv_both: what it prefilled for other decodes

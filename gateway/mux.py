@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -398,7 +397,7 @@ class DecodeGenerate:
         stream = FramedStream(self.address)
         try:
             await stream.connect(host, port)
-        except (OSError, ConnectionError, TimeoutError, ssl.SSLError) as e:
+        except OSError as e:  # refused, reset, closed (a wrong token), TLS, timed out
             stream.close()
             self._back_off()
             logger.warning(

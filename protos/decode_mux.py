@@ -64,6 +64,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     """The generated servicer plus `GenerateMux` on top of the subclass's `Generate`."""
 
     num_rejected_mux_messages = 0
+    num_rejected_frame_connections = 0  # protos/mux_frames.py: connections it closed
     _mux_streams: set | None = None  # live streams (subclasses need not call __init__)
     is_draining = False
     frames_port: int | None = None  # set by protos/mux_frames.FramesServer.start

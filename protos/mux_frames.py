@@ -17,14 +17,15 @@ go out in one MuxResponse, a drain refuses new starts with UNAVAILABLE and close
 once its requests have ended, and a closed or broken connection cancels every request on it.
 
 Trust, as gRPC's (engine/internal_auth.py, which hands the listener its token and TLS context):
-mutual TLS when configured (a client certificate
-signed by the CA is required), and the internal token in the hello, compared in constant time.
+mutual TLS when configured (a client certificate signed by the CA is required), and the
+internal token in the hello, compared in constant time.
 A connection that sends anything else first, a hello over `MAX_HELLO_BYTES`, a wrong token, or
 no hello within `HELLO_TIMEOUT_S` is closed without a reply; at most `MAX_HANDSHAKES` may be in
 that state at once (more are closed at once). After the hello, a frame over
 `MAX_REQUEST_FRAME_BYTES` (grpc's default receive limit) or one that is not a MuxRequest closes
-that connection only. Each refusal is counted in `num_rejected_frame_connections`; no frame on
-this port can stop the event loop or another connection.
+that connection only. Each refusal is counted in the servicer's
+`num_rejected_frame_connections` (the decode's metric `tandem:num_rejected_frame_connections`);
+no frame on this port can stop the event loop or another connection.
 
 Discovery: the decode's gRPC `GenerateMux` stream advertises the port in its initial metadata
 (`FRAMES_METADATA_KEY`); the gateway connects to the host it already dials for gRPC and keeps
@@ -218,7 +219,7 @@ class _Connection(asyncio.Protocol):
             self.server.num_handshakes -= 1
 
     def _refuse(self, why: str) -> None:
-        self.server.num_rejected += 1
+        self.server.servicer.num_rejected_frame_connections += 1
         peer = self.transport.get_extra_info("peername") if self.transport else None
         logger.warning("framed GenerateMux connection from %s closed: %s", peer, why)
         if self.transport is not None:
@@ -242,8 +243,12 @@ class FramesServer:
         self.ssl = ssl_context
         self.connections: set[_Connection] = set()
         self.num_handshakes = 0
-        self.num_rejected = 0
         self._server: asyncio.AbstractServer | None = None
+
+    @property
+    def num_rejected(self) -> int:
+        """Connections closed for what they sent (or did not send) first, or a bad frame."""
+        return self.servicer.num_rejected_frame_connections
 
     async def start(self, host: str, port: int) -> int:
         """Listen; returns the port, which the servicer then advertises to gRPC clients."""

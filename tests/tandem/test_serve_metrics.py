@@ -27,6 +27,7 @@ def test_serve_prints_and_serves_every_metrics_endpoint(tiny_qwen3_path):
         for name in ("prefill 0", "decode 0"):
             assert "vllm:num_requests_running" in bodies[name], name
         assert 'role="decode"' in bodies["decode 0"] and 'role="prefill"' in bodies["prefill 0"]
+        assert "tandem:num_rejected_frame_connections" in bodies["decode 0"]  # its framed port
     finally:
         children = launcher.child_pids()
         rc = launcher.stop()
