@@ -175,10 +175,12 @@ class _Connection(asyncio.Protocol):
             self._refuse(f"{type(e).__name__}: {e}")
 
     def eof_received(self) -> bool:
-        if self.mux is not None:  # the client half-closed: end once its requests have
-            self.mux.is_reading = False
-            self.mux.wake()
-            return True  # keep the write side open for their outputs
+        """The client is gone: nobody will read its requests' outputs. The gateway never
+        half-closes a framed connection (gateway/mux.py closes it by abort), so an EOF is a
+        gateway that crashed, was killed or closed the connection. Returning False closes the
+        transport, and `connection_lost` cancels the requests at once. Kept open, those still
+        queued or waiting for a remote prefill would run on for nobody until their first
+        output's write failed (tests/integration/test_faults.py)."""
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -194,7 +196,7 @@ class _Connection(asyncio.Protocol):
             self.transport.write(data)
 
     def finish(self) -> None:
-        """Ended cleanly (drained, or the client half-closed): close once written."""
+        """Ended cleanly (drained): close once written."""
         if self.transport is not None:
             self.transport.close()
 

@@ -4,19 +4,25 @@ block pool returns to its idle count (no leaked blocks)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import time
 
 import grpc
+import httpx
 import pytest
 
 from engine import LLM, SamplingParams
+from gateway.clients import DecodeClients
+from gateway.registry import Instance
 from tests.integration.services import (
     collect,
     decode_stub,
+    free_port,
     generate_request,
     get_load,
+    metric_value,
     prefill_stub,
     start_services,
     wait_idle,
@@ -133,6 +139,88 @@ def test_abort_during_transfer(cluster):
         assert len(tokens) == GREEDY.max_tokens
 
     asyncio.run(run())
+
+
+async def _open_frames(clients: DecodeClients, instance: Instance, old=None):
+    """The client's framed connection to `instance` once open (and not `old`). The client
+    connects when a call finds it closed and its back-off over (2 s after a broken one), to the
+    port the decode advertised on its gRPC stream: so calls on gRPC until then."""
+    async with asyncio.timeout(30):
+        for i in itertools.count():
+            frames = getattr(clients._generates.get(instance.address), "frames", None)
+            if frames is not None and frames is not old and frames.is_open:
+                return frames
+            call = clients.generate(instance, generate_request(f"open{i}", [1, 2], GREEDY))
+            await collect_call(call)
+            await asyncio.sleep(0.1)
+
+
+def test_dropped_framed_connection_frees_every_block(tiny_qwen3_path, expected):
+    """The gateway's framed connection to D (protos/mux_frames.py) dropped without a goodbye,
+    once while its request decodes and once while D waits on a stopped P for the prompt's KV:
+    D cancels the requests (the second one's transfer is fenced while P is still stopped),
+    every block comes back on D and on P, and D serves the next connection the same tokens."""
+    port = free_port()
+    lease = ["--kv-lease-s", "1.5"]
+    cluster, (p1,), (d,) = start_services(
+        tiny_qwen3_path, 1, 1, lease, [*lease, "--metrics-port", str(port)]
+    )
+    long = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+    instance = Instance(d.address, "d")
+
+    def counter(name: str) -> float:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        return metric_value(text, f"tandem:{name}_total")
+
+    async def run():
+        stub, clients = decode_stub(d.address), DecodeClients()
+        try:
+            frames = await _open_frames(clients, instance)
+            decoding = clients.generate(instance, generate_request("drop1", PROMPT, long))
+            assert decoding._stream is frames
+            assert (await decoding.read()).tokens.token_ids  # it decodes
+            frames.transport.abort()
+            await wait_idle(stub)
+
+            frames = await _open_frames(clients, instance, old=frames)  # the client's retry
+            os.kill(p1.proc.pid, signal.SIGSTOP)
+            request = generate_request("drop2", PROMPT, long, [p1.address])
+            waiting = clients.generate(instance, request)
+            assert waiting._stream is frames
+            await wait_for_remote_prefill(stub)
+            assert counter("num_fenced_transfers") == 0
+            frames.transport.abort()
+            # Cancelled while P sleeps: D fences the blocks P was given (only P's answer to
+            # D's abort frees them). A request left running would wait on P until its bound
+            # (2 s at least), and be fenced only then, as a timeout.
+            async with asyncio.timeout(20):
+                while counter("num_fenced_transfers") < 1:
+                    await asyncio.sleep(0.05)
+            assert counter("num_prefill_timeouts") == 0
+            os.kill(p1.proc.pid, signal.SIGCONT)
+            await wait_idle(stub)
+            await wait_idle(prefill_stub(p1.address))
+
+            frames = await _open_frames(clients, instance, old=frames)
+            call = clients.generate(instance, generate_request("after", PROMPT, GREEDY))
+            assert call._stream is frames
+            assert await collect_call(call) == expected
+        finally:
+            await clients.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        os.kill(p1.proc.pid, signal.SIGCONT)  # so that it can exit
+        cluster.stop()
+
+
+async def collect_call(call) -> list[int]:
+    """The tokens of a gateway client's call, to its end."""
+    tokens = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        tokens += message.tokens.token_ids
+    return tokens
 
 
 def test_decode_refuses_fast_when_full(tiny_qwen3_path):

@@ -1,8 +1,9 @@
 """The framed GenerateMux transport (protos/mux_frames.py), driven by raw frames on a socket:
 requests interleave with their own tokens, errors and cancels stay with their request, a closed
-connection cancels its requests, a drain refuses new starts and ends the connection after its
-own; the hello must carry the token (and under mTLS a certificate from the CA), and no byte
-sequence on the port stops the listener or another connection."""
+connection (or an EOF: the gateway never half-closes) cancels its requests, a drain refuses new
+starts and ends the connection after its own; the hello must carry the token (and under mTLS a
+certificate from the CA), and no byte sequence on the port stops the listener or another
+connection."""
 
 from __future__ import annotations
 
@@ -178,14 +179,23 @@ def test_drain_refuses_new_starts_and_ends_the_connection_after_its_own(token):
     asyncio.run(run())
 
 
-def test_a_half_closed_connection_ends_after_its_requests(token):
+def test_an_eof_from_the_client_cancels_its_requests(token):
+    """The gateway never half-closes: an EOF is a client gone, whose requests are cancelled
+    at once rather than run on for nobody."""
+
     async def run():
-        async with listening(delay_s=0.02) as (_, _, port):
+        async with listening(delay_s=0.05) as (servicer, server, port):
             client = await Client.welcomed(port)
-            client.send(start(1, list(range(1, 10))))
+            client.send(start(1, list(range(1, 200))))
+            await client.until(lambda: client.tokens[1])
             client.writer.write_eof()
             await client.until_closed()
-            assert client.tokens[1] == list(range(1, 10)) and client.ends[1] == [(OK, "")]
+            assert 1 not in client.ends and len(client.tokens[1]) < 199
+            async with asyncio.timeout(10):
+                while servicer.cancelled != ["r1"]:
+                    await asyncio.sleep(0.01)
+                while server.connections:
+                    await asyncio.sleep(0.01)
 
     asyncio.run(run())
 
