@@ -221,6 +221,7 @@ class AsyncEngine:
                 self._drain_commands()
                 busy = False
                 if self.core.has_unfinished_requests():
+                    self._wait_for_commands_until(self.core.schedule_at())
                     self._dispatch(self.core.step())
                     busy = True
                 for hook in self.hooks:
@@ -267,6 +268,12 @@ class AsyncEngine:
             except queue.Empty:
                 return
             cmd()
+
+    def _wait_for_commands_until(self, deadline: float | None) -> None:
+        """Run commands (new requests, aborts) as they come until `deadline` (monotonic; None:
+        return at once): --late-scheduling, the step in flight still runs on the device."""
+        while deadline is not None and (timeout_s := deadline - time.monotonic()) > 0:
+            self._wait_for_command(timeout_s)
 
     def _wait_for_command(self, timeout_s: float) -> None:
         try:
