@@ -221,7 +221,9 @@ class AsyncEngine:
                 self._drain_commands()
                 busy = False
                 if self.core.has_unfinished_requests():
-                    self._wait_for_commands_until(self.core.schedule_at())
+                    if self._wait_for_commands_until(self.core.schedule_at()):
+                        for hook in self.hooks:  # what they bring meanwhile joins the step too
+                            self._run_hook(hook)
                     self._dispatch(self.core.step())
                     busy = True
                 for hook in self.hooks:
@@ -269,11 +271,15 @@ class AsyncEngine:
                 return
             cmd()
 
-    def _wait_for_commands_until(self, deadline: float | None) -> None:
+    def _wait_for_commands_until(self, deadline: float | None) -> bool:
         """Run commands (new requests, aborts) as they come until `deadline` (monotonic; None:
-        return at once): --late-scheduling, the step in flight still runs on the device."""
+        return at once): --late-scheduling, the step in flight still runs on the device.
+        Whether it waited."""
+        waited = False
         while deadline is not None and (timeout_s := deadline - time.monotonic()) > 0:
             self._wait_for_command(timeout_s)
+            waited = True
+        return waited
 
     def _wait_for_command(self, timeout_s: float) -> None:
         try:

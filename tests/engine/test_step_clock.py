@@ -80,6 +80,7 @@ class FakeCore:
         self.wait_s = wait_s
         self.requests: list[str] = []
         self.seen_by_step: list[list[str]] = []
+        self.log: list[tuple[str, list[str]]] = []
         self.asked = threading.Event()
 
     def has_unfinished_requests(self) -> bool:
@@ -93,12 +94,19 @@ class FakeCore:
 
     def step(self) -> list:
         self.seen_by_step.append(list(self.requests))
+        self.log.append(("step", list(self.requests)))
         return []
 
+    def hook(self) -> bool:
+        """An engine hook (a KV-transfer poll): what it saw."""
+        self.log.append(("hook", list(self.requests)))
+        return False
 
-def test_the_engine_loop_takes_requests_until_the_step_is_scheduled():
+
+def test_the_engine_loop_takes_requests_and_polls_hooks_until_the_step_is_scheduled():
     core = FakeCore(wait_s=2.0)
     engine = AsyncEngine(core)  # type: ignore[arg-type]
+    engine.hooks.append(core.hook)  # read once the first step's wait is over
     try:
         assert core.asked.wait(10)  # the loop waits for the first step's time
 
@@ -111,5 +119,8 @@ def test_the_engine_loop_takes_requests_until_the_step_is_scheduled():
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert core.seen_by_step[0] == ["arrived-meanwhile"]
+        # The hooks ran after the wait, before the step: what they bring (a remote prefill's
+        # KV written meanwhile) joins it too.
+        assert core.log[:2] == [("hook", ["arrived-meanwhile"]), ("step", ["arrived-meanwhile"])]
     finally:
         engine.shutdown()
