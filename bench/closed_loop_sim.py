@@ -16,7 +16,7 @@ prompt tokens x per-token, fitted to the 2026-12-06 H100 step summaries (decode-
 55 rows: 8.1 ms; 61 rows + ~507 prompt tokens: 17.7 ms). Idle TTFT is one step with the
 prompt alone, plus the host's `--host-ms`.
 
-    python -m bench.closed_loop_sim [--cap 512 --backlog-steps 32] [--extra-prompt-every N]
+    python -m bench.closed_loop_sim [--cap 512 --backlog-steps 32] [--late-scheduling] [--table]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import percentile  # noqa: E402
+from bench.common import percentile, write_result  # noqa: E402
 from engine.config import SchedulerConfig  # noqa: E402
 from engine.kv_cache_manager import KVCacheManager  # noqa: E402
 from engine.request import Request, RequestStatus  # noqa: E402
@@ -224,8 +224,35 @@ def main() -> None:
     p.add_argument("--host-ms", type=float, default=0.5)
     p.add_argument("--client-ms", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--table", action="store_true",
+        help="bench/README.md's configurations: bench/results/closed_loop_sim-<date>.json",
+    )  # fmt: skip
     args = p.parse_args()
-    print(run(args))
+    if not args.table:
+        print(run(args))
+        return
+    results = {}
+    for name, changes in TABLE.items():
+        point = argparse.Namespace(**{**vars(args), **changes})
+        results[name] = run(point)
+        print(name, results[name], flush=True)
+    config = {k: v for k, v in vars(args).items() if k != "table"}
+    print("wrote", write_result("closed_loop_sim", {"defaults": config, "points": TABLE}, results))
+
+
+# name -> the flags it changes from the defaults
+TABLE = {
+    "c64_jitter5_shipped": {},
+    "c64_jitter5_late": {"late_scheduling": True},
+    "c64_jitter5_oracle_2ms": {"late_schedule_ms": 2.0},
+    "c64_jitter20_shipped": {"jitter": 0.2},
+    "c64_jitter20_late": {"jitter": 0.2, "late_scheduling": True},
+    "c256_jitter5_shipped": {"concurrency": 256},
+    "c256_jitter5_late": {"concurrency": 256, "late_scheduling": True},
+    "c64_backlog4": {"backlog_steps": 4},
+    "c64_extra_prompt_every_50": {"extra_prompt_every": 50},
+}
 
 
 if __name__ == "__main__":
