@@ -16,6 +16,10 @@ prompt tokens x per-token, fitted to the 2026-12-06 H100 step summaries (decode-
 55 rows: 8.1 ms; 61 rows + ~507 prompt tokens: 17.7 ms). Idle TTFT is one step with the
 prompt alone, plus the host's `--host-ms`.
 
+How far to trust it (bench/README.md, 2026-12-07): it reproduces the measured effect of the cap
+rules on TTFT and ITL, but reads TTFT at 64 streams ~20 ms low, and it predicted 4x the TTFT
+gain that `--late-scheduling` then gave on an H100 (and none of its cost at 256 streams).
+
     python -m bench.closed_loop_sim [--cap 512 --backlog-steps 32] [--late-scheduling] [--table]
 """
 
@@ -26,6 +30,7 @@ import heapq
 import random
 import statistics
 import sys
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,9 +43,79 @@ from engine.kv_cache_manager import KVCacheManager  # noqa: E402
 from engine.request import Request, RequestStatus  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
-from engine.step_clock import StepClock  # noqa: E402
 
 PLACEHOLDER = -1
+
+
+# The rule measured as `--late-scheduling` on 2026-12-07 (bench/README.md) and then removed from
+# the engine: it learned step times from the steps whose end the host saw and scheduled the
+# next step at the in-flight one's predicted end minus the launch time, 1 ms and two mean errors.
+ALPHA = 0.2  # weight of a new sample in the moving averages
+MARGIN_S = 0.001  # scheduled this long before the launch must start, on top of the host's time
+ERROR_LEADS = 2.0  # and this many mean prediction errors earlier
+MAX_WAIT_S = 0.05  # never more than this ahead of the in-flight step's predicted end
+
+
+class StepClock:
+    def __init__(self, margin_s: float = MARGIN_S) -> None:
+        self.margin_s = margin_s
+        self.decode_s: float | None = None  # a decode-only step's device time
+        self.prompt_token_s: float | None = None  # extra device time per prompt token
+        self.launch_s: float | None = None  # the host's time from schedule() to launched
+        self.error_s: float | None = None  # a prediction's mean absolute error
+        self._in_flight: deque[int] = deque()  # launched, unread: their prompt tokens
+        self._last_end_s: float | None = None  # the last read step's end, if seen
+
+    def launched(self, num_prompt_tokens: int, launch_s: float) -> None:
+        """A step was launched ahead, `launch_s` after its scheduling began."""
+        self._in_flight.append(num_prompt_tokens)
+        self.launch_s = _average(self.launch_s, launch_s)
+
+    def read(self, end_s: float | None) -> None:
+        """The oldest launched step was read: `end_s` its end if the host saw it (it was
+        waiting for its tokens), else None."""
+        num_prompt_tokens = self._in_flight.popleft()
+        previous, self._last_end_s = self._last_end_s, end_s
+        if end_s is None or previous is None:
+            return
+        # Launched before the previous one ended (async): it ran from that end to its own.
+        duration_s = end_s - previous
+        if (predicted_s := self.predicted_s(num_prompt_tokens)) is not None:
+            self.error_s = _average(self.error_s, abs(duration_s - predicted_s))
+        if num_prompt_tokens == 0:
+            self.decode_s = _average(self.decode_s, duration_s)
+        elif self.decode_s is not None:
+            per_token = max(duration_s - self.decode_s, 0.0) / num_prompt_tokens
+            self.prompt_token_s = _average(self.prompt_token_s, per_token)
+
+    def predicted_s(self, num_prompt_tokens: int) -> float | None:
+        if self.decode_s is None:
+            return None
+        if num_prompt_tokens == 0:
+            return self.decode_s
+        if self.prompt_token_s is None:
+            return None
+        return self.decode_s + num_prompt_tokens * self.prompt_token_s
+
+    def schedule_at(self) -> float | None:
+        """When to schedule the next step (time.monotonic()), or None: at once. Known only with
+        one step in flight that started at a seen end."""
+        if len(self._in_flight) != 1 or self._last_end_s is None or self.launch_s is None:
+            return None
+        duration_s = self.predicted_s(self._in_flight[0])
+        if duration_s is None:
+            return None
+        lead_s = self.launch_s + self.margin_s + ERROR_LEADS * (self.error_s or 0.0)
+        return self._last_end_s + min(max(duration_s - lead_s, 0.0), MAX_WAIT_S)
+
+    def reset(self) -> None:
+        """The pipeline was drained (a synchronous step ran): no step is in flight."""
+        self._in_flight.clear()
+        self._last_end_s = None
+
+
+def _average(mean: float | None, sample: float) -> float:
+    return sample if mean is None else mean + ALPHA * (sample - mean)
 
 
 class SimScheduler(Scheduler):
@@ -216,7 +291,9 @@ def main() -> None:
     p.add_argument("--extra-prompt-every", type=int, default=0)
     p.add_argument("--extra-min-waiting", type=int, default=2)
     p.add_argument("--late-schedule-ms", type=float, default=0.0, help="oracle: exact ends")
-    p.add_argument("--late-scheduling", action="store_true", help="engine/step_clock.py's rule")
+    p.add_argument(
+        "--late-scheduling", action="store_true", help="the rule measured and removed (StepClock)"
+    )
     p.add_argument("--jitter", type=float, default=0.05, help="step time spread, +-fraction")
     p.add_argument("--step-ms", type=float, default=7.0)
     p.add_argument("--row-us", type=float, default=20.0)

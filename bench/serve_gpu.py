@@ -50,8 +50,6 @@ COMPARES = {
     "fixed-cap": "without --prefill-backlog-steps",
     "sync-sampling": "with --no-async-sampling (sampled: --bench-flags='--temperature 0.8')",
     "sync-mixed": "with --no-async-mixed-steps (steps with prompt chunks run synchronously)",
-    "late-scheduling": "with --late-scheduling (each step scheduled shortly before the one in "
-    "flight ends: engine/step_clock.py)",
     "decode-graphs-only": "with CUDA graphs for decode-only steps alone, no piecewise graphs",
 }
 BENCH_FLAGS: list[str] = []  # more `tandem bench serve` flags for every point (--bench-flags)
@@ -376,7 +374,6 @@ def main() -> None:
         "fixed-cap": fixed_cap_flags,
         "sync-sampling": [*ENGINE_FLAGS, "--no-async-sampling"],
         "sync-mixed": [*ENGINE_FLAGS, "--no-async-mixed-steps"],
-        "late-scheduling": [*ENGINE_FLAGS, "--late-scheduling"],
         "decode-graphs-only": [*ENGINE_FLAGS, "--compilation-config.cudagraph_mode",
                                "FULL_DECODE_ONLY"],
     }  # fmt: skip

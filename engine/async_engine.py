@@ -221,9 +221,6 @@ class AsyncEngine:
                 self._drain_commands()
                 busy = False
                 if self.core.has_unfinished_requests():
-                    if self._wait_for_commands_until(self.core.schedule_at()):
-                        for hook in self.hooks:  # what they bring meanwhile joins the step too
-                            self._run_hook(hook)
                     self._dispatch(self.core.step())
                     busy = True
                 for hook in self.hooks:
@@ -270,16 +267,6 @@ class AsyncEngine:
             except queue.Empty:
                 return
             cmd()
-
-    def _wait_for_commands_until(self, deadline: float | None) -> bool:
-        """Run commands (new requests, aborts) as they come until `deadline` (monotonic; None:
-        return at once): --late-scheduling, the step in flight still runs on the device.
-        Whether it waited."""
-        waited = False
-        while deadline is not None and (timeout_s := deadline - time.monotonic()) > 0:
-            self._wait_for_command(timeout_s)
-            waited = True
-        return waited
 
     def _wait_for_command(self, timeout_s: float) -> None:
         try:

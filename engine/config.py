@@ -194,10 +194,6 @@ class SchedulerConfig:
     # sampled traffic's throughput by 18% at c=256 through `tandem serve` (bench/README.md,
     # 2026-12-04); seeded rows draw the synchronous engine's tokens.
     async_sampling: bool = True
-    # With async scheduling: schedule the next step shortly before the step in flight is
-    # predicted to end, not as soon as the one before it was read, so that requests arriving
-    # meanwhile join it (engine/step_clock.py). Off until measured on a GPU.
-    late_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -400,7 +396,6 @@ class EngineConfig:
         async_scheduling: bool | None = None,
         async_mixed_steps: bool = True,
         async_sampling: bool = True,
-        late_scheduling: bool = False,
         load_format: str = "auto",
         enforce_eager: bool = False,
         cudagraph_mode: str = "FULL_AND_PIECEWISE",
@@ -479,7 +474,6 @@ class EngineConfig:
             async_scheduling=async_scheduling,
             async_mixed_steps=async_mixed_steps,
             async_sampling=async_sampling,
-            late_scheduling=late_scheduling,
         )
         return cls(
             model_config, cache_config, scheduler_config, device, structured_outputs, speculative

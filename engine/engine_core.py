@@ -39,7 +39,6 @@ eagerly, not in the one-token decode graphs; steps without drafts still replay t
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
@@ -52,7 +51,6 @@ from engine.request import PLACEHOLDER, Request, RequestStatus
 from engine.sampler import skip_sampler_step
 from engine.scheduler import Scheduler, SchedulerFullError, SchedulerOutput
 from engine.spec_decode import NgramProposer, SpecDecodeStats
-from engine.step_clock import StepClock
 from engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -96,8 +94,6 @@ class EngineCore:
         # KV queues them as the scheduler queues local prompts, instead of refusing.
         self.awaiting_blocks: dict[str, Request] = {}
         self._pending: LaunchedStep | None = None  # async scheduling: launched, not read
-        # --late-scheduling: when the engine loop schedules the next step (engine/step_clock.py).
-        self.step_clock = StepClock() if config.scheduler.late_scheduling else None
         # Async scheduling: a step scheduled while one was in flight that must run
         # synchronously; it runs at the next call, once the in-flight step's tokens are out.
         self._deferred: SchedulerOutput | None = None
@@ -226,7 +222,6 @@ class EngineCore:
         pending, self._pending = self._pending, None
         if pending is not None and not self._may_pipeline():
             return self._resolve(pending)
-        start_s = time.monotonic()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return self._resolve(pending) if pending is not None else []
@@ -235,13 +230,6 @@ class EngineCore:
                 launched = self.runner.launch_decode(sched, self.kv, pending)
             else:
                 launched = self.runner.launch_mixed(sched, self.kv, pending)
-            if self.step_clock is not None:
-                num_prompt = sum(
-                    s.num_new_tokens
-                    for s in sched.scheduled
-                    if s.num_new_tokens > 1 and not s.draft_token_ids
-                )
-                self.step_clock.launched(num_prompt, time.monotonic() - start_s)
             for r, _ in launched.rows:  # the rows that sample a token (not a prompt's chunk)
                 r.append_output_token(PLACEHOLDER)
                 r.num_placeholders += 1
@@ -262,11 +250,6 @@ class EngineCore:
             self._deferred = sched
             return outputs
         return self._execute(sched)
-
-    def schedule_at(self) -> float | None:
-        """With --late-scheduling and a step in flight: when to schedule the next one
-        (time.monotonic()), as late as its launch allows; None: now."""
-        return self.step_clock.schedule_at() if self.step_clock is not None else None
 
     def _may_pipeline(self) -> bool:
         """Launching before resolving needs a scheduler that cannot preempt (every running
@@ -298,13 +281,7 @@ class EngineCore:
     def _resolve(self, launched: LaunchedStep) -> list[EngineCoreOutput]:
         """Read a launched step's tokens (waiting for it) and apply them: the grammars take
         them, then the stops, as in `_execute`."""
-        if self.step_clock is None:
-            tokens = launched.tokens()
-        else:  # the step's end, if the host is there to see it
-            event = launched.event
-            waits = launched.cpu_tokens is None and event is not None and not event.query()
-            tokens = launched.tokens()
-            self.step_clock.read(time.monotonic() if waits else None)
+        tokens = launched.tokens()
         for r in launched.deferred_free:  # finished while this step ran: now it is done
             self.kv.free(r)
         outputs = []

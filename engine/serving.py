@@ -216,13 +216,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "seeded rows draw the synchronous engine's tokens (default: on)",
     )
     parser.add_argument(
-        "--late-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="with async scheduling, schedule each step shortly before the one in flight is "
-        "predicted to end, so that requests arriving meanwhile join it (default: off)",
-    )
-    parser.add_argument(
         "--structured-outputs-config.backend",
         dest="structured_outputs_backend",
         type=_structured_outputs_backend,
@@ -299,7 +292,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=args.async_scheduling,
         async_mixed_steps=args.async_mixed_steps,
         async_sampling=args.async_sampling,
-        late_scheduling=args.late_scheduling,
         structured_outputs_config=StructuredOutputsConfig(
             backend=getattr(args, "structured_outputs_backend", "auto")
         ),

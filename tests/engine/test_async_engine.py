@@ -31,9 +31,6 @@ class FakeCore:
     def has_unfinished_requests(self) -> bool:
         return self.running is not None
 
-    def schedule_at(self) -> float | None:
-        return None  # no --late-scheduling
-
     def add_request(self, request) -> None:
         self.running = request.request_id
 
