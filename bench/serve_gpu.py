@@ -256,9 +256,15 @@ def steps_line(st: dict) -> str:
         f"free blocks {st.get('mean_free_blocks', 0):.0f} "
         f"({st.get('mean_free_blocks_while_waiting', 0):.0f} while waiting)"
     )
+    phases = st.get("first_token_phases_p50_ms_past_first", {})
+    first = (
+        f" first token p50 past 2 waves: queue {phases['queue']} ms prefill {phases['prefill']} ms"
+        if phases.get("requests")
+        else ""
+    )
     return (
         f"steps {st['engine_steps']} step_s {st['step_s']:.1f} gpu_idle {idle:.2f}s {inside} "
-        f"{kinds}"
+        f"{kinds}{first}"
     )
 
 
@@ -472,8 +478,11 @@ def main() -> None:
                         if t["busy_share"] > 0.02:
                             print(mode, f.stem, thread, json.dumps(t), flush=True)
             for c, (t0, t1) in windows.items():  # each service's steps during the point
+                # Request phases also past the closed loop's first two waves (their queueing
+                # behind each other dominates the means of the whole point).
+                skip = 2 * int(c)
                 modes[mode][c]["steps"] = {
-                    f.stem: summarize(json.loads(f.read_text()), t0, t1)
+                    f.stem: summarize(json.loads(f.read_text()), t0, t1, skip_first=skip)
                     for f in sorted(trace_dir.glob("*.json"))
                 }
                 for name, st in modes[mode][c]["steps"].items():

@@ -3,7 +3,8 @@
 Off by default. `StepTrace(core).install()` wraps the engine's step, its scheduler's `schedule`
 and its runner's `execute` / `launch_decode` / `launch_mixed`; every runner call becomes one
 row (its kind, sequences, tokens, host time) with, on CUDA, two events around the GPU work it
-enqueues; every step also notes the requests running and waiting as it begins. The
+enqueues; every step also notes the requests running and waiting as it begins, and each
+request's first token notes its phases (queued, first scheduled, first token out). The
 GPU's idle time between two steps is the gap from one row's end event to the next one's start
 event (zero while the GPU still runs the step before): the host's share of a step that the GPU
 waited for. `summarize` turns rows (live or read back from JSON) into totals over a window.
@@ -35,6 +36,10 @@ class StepTrace:
         self.steps: list[tuple[float, float, float, int, int, int]] = []
         self.dropped = 0
         self._schedule_s = 0.0
+        # (queued, first scheduled, first token out of the engine) per request, in order of
+        # their first tokens (time.monotonic(); on Linux the clock of `perf_counter` too)
+        self.requests: list[tuple[float, float, float]] = []
+        self._first_seen: set[str] = set()
 
     # ---- recording -------------------------------------------------------------------------
     def install(self) -> StepTrace:
@@ -72,7 +77,9 @@ class StepTrace:
             running, waiting = len(sched.running), len(sched.waiting)
             free_blocks = core.kv.num_free_blocks
             try:
-                return step()
+                outputs = step()
+                self._first_tokens(outputs)
+                return outputs
             finally:
                 if len(self.steps) < MAX_ROWS:
                     step_s = time.perf_counter() - t
@@ -84,6 +91,25 @@ class StepTrace:
         sched.schedule, core.step = traced_schedule, traced_step
         return self
 
+    def _first_tokens(self, outputs) -> None:
+        """The phases of each request whose first token this step gave out: what
+        `vllm:request_queue_time_seconds` and `vllm:request_prefill_time_seconds` sum, per
+        request, so that a window's medians (e.g. past a closed loop's first waves) can be
+        read apart from its means."""
+        if len(self._first_seen) >= MAX_ROWS:  # a long-lived service stops recording there
+            return
+        now = time.monotonic()
+        requests = self.core.scheduler.requests
+        for out in outputs:
+            rid = out.request_id
+            if not out.new_token_ids or rid in self._first_seen:
+                continue
+            self._first_seen.add(rid)
+            r = requests.get(rid)  # gone if it finished with its first token
+            if r is None or r.queued_time is None or r.first_scheduled_time is None:
+                continue
+            self.requests.append((r.queued_time, r.first_scheduled_time, now))
+
     def remove(self) -> None:
         """The classes' own methods again."""
         del self.core.runner.execute, self.core.runner.launch_decode, self.core.runner.launch_mixed
@@ -92,6 +118,7 @@ class StepTrace:
     def clear(self) -> None:
         self.calls.clear()
         self.steps.clear()
+        self.requests.clear()
         self.dropped = 0
 
     def _call(self, kind: str, sched, fn, *args):
@@ -134,7 +161,11 @@ class StepTrace:
             {"t": t, "step_s": s, "schedule_s": sc, "running": run, "waiting": wait, "free": free}
             for t, s, sc, run, wait, free in steps
         ]
-        return {"calls": calls, "steps": steps, "dropped_calls": self.dropped}
+        requests = [
+            {"queued": q, "scheduled": sc, "first_token": f}
+            for q, sc, f in self.requests[: len(self.requests)]
+        ]
+        return {"calls": calls, "steps": steps, "requests": requests, "dropped_calls": self.dropped}
 
     def write(self, path: Path) -> None:
         """Whole or not at all (a process killed while writing leaves the last file)."""
@@ -144,11 +175,19 @@ class StepTrace:
         tmp.replace(path)
 
 
-def summarize(rows: dict, t_from: float = float("-inf"), t_to: float = float("inf")) -> dict:
+def summarize(
+    rows: dict, t_from: float = float("-inf"), t_to: float = float("inf"), skip_first: int = 0
+) -> dict:
     """Totals of the calls and steps that started in [t_from, t_to] (`time.perf_counter`, the
-    host's monotonic clock, shared by the processes of one machine)."""
+    host's monotonic clock, shared by the processes of one machine), and the medians of the
+    phases of the requests queued in it, all of them and past the first `skip_first` (a closed
+    loop's first waves queue behind each other: their waits dominate the means)."""
     calls = [c for c in rows["calls"] if t_from <= c["t"] <= t_to]
     steps = [s for s in rows["steps"] if t_from <= s["t"] <= t_to]
+    requests = sorted(
+        (r for r in rows.get("requests", []) if t_from <= r["queued"] <= t_to),
+        key=lambda r: r["queued"],
+    )
     gpu = bool(calls) and "gpu_start_ms" in calls[0]
     out: dict[str, Any] = {
         "engine_steps": len(steps),
@@ -166,6 +205,8 @@ def summarize(rows: dict, t_from: float = float("-inf"), t_to: float = float("in
         "schedule_s": sum(s["schedule_s"] for s in steps),
         "runner_host_s": sum(c["host_s"] for c in calls),
         "dropped_calls": rows.get("dropped_calls", 0),
+        "first_token_phases_p50_ms": _phases_p50_ms(requests),
+        "first_token_phases_p50_ms_past_first": _phases_p50_ms(requests[skip_first:]),
     }
     for kind in KINDS:
         mine = [c for c in calls if c["kind"] == kind]
@@ -197,3 +238,19 @@ def _time_weighted(steps: list[dict], key: str) -> float:
     if not total or not steps or key not in steps[0]:
         return 0.0
     return sum(s[key] * s["step_s"] for s in steps) / total
+
+
+def _phases_p50_ms(requests: list[dict]) -> dict:
+    """Medians, in ms: queued -> first scheduled, first scheduled -> first token, and their
+    sum (the engine's share of TTFT), with the number of requests."""
+    if not requests:
+        return {"requests": 0}
+    queue = [r["scheduled"] - r["queued"] for r in requests]
+    prefill = [r["first_token"] - r["scheduled"] for r in requests]
+    total = [r["first_token"] - r["queued"] for r in requests]
+    return {
+        "requests": len(requests),
+        "queue": round(statistics.median(queue) * 1e3, 2),
+        "prefill": round(statistics.median(prefill) * 1e3, 2),
+        "engine_ttft": round(statistics.median(total) * 1e3, 2),
+    }

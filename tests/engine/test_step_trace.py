@@ -41,6 +41,14 @@ def test_trace_counts_every_scheduled_token_once(tiny_qwen3_path, tmp_path):
     # fewer before the last (its request still holds its blocks).
     idle_pool = llm.engine.kv.pool.num_blocks - 1  # less the null block
     assert steps[0]["free"] == idle_pool and 0 < steps[-1]["free"] < idle_pool
+    # Each request's phases, noted with its first token: queued <= scheduled <= first token.
+    requests = json.loads(path.read_text())["requests"]
+    assert len(requests) == len(PROMPTS)
+    assert all(r["queued"] <= r["scheduled"] <= r["first_token"] for r in requests)
+    phases = st["first_token_phases_p50_ms"]
+    assert phases["requests"] == len(PROMPTS)
+    engine_ttft = sorted(r["first_token"] - r["queued"] for r in requests)[1]  # the median
+    assert phases["engine_ttft"] == pytest.approx(engine_ttft * 1e3, abs=0.01)
     trace.remove()
     runner = llm.engine.runner
     assert "execute" not in vars(runner) and "step" not in vars(llm.engine)
@@ -100,3 +108,34 @@ def test_summary_idle_gaps_by_kind_and_window():
     whole = summarize(rows)
     assert whole["decode_only"]["steps"] == 3
     assert whole["gpu_idle_between_steps_s"] == pytest.approx(0.007 + 0.960)
+
+
+def test_summary_request_phases_in_the_window_and_past_the_first():
+    def request(queued: float, queue_ms: float, prefill_ms: float) -> dict:
+        scheduled = queued + queue_ms / 1e3
+        return {
+            "queued": queued,
+            "scheduled": scheduled,
+            "first_token": scheduled + prefill_ms / 1e3,
+        }
+
+    rows = {
+        "calls": [],
+        "steps": [],
+        "requests": [
+            request(0.9, 1.0, 1.0),  # before the window
+            request(1.0, 500.0, 40.0),  # the first wave: long waits
+            request(1.1, 400.0, 40.0),
+            request(2.0, 5.0, 20.0),
+            request(2.1, 3.0, 30.0),
+            request(2.2, 4.0, 25.0),
+        ],
+    }
+    st = summarize(rows, 0.95, 3.0, skip_first=2)
+    assert st["first_token_phases_p50_ms"] == {
+        "requests": 5, "queue": 5.0, "prefill": 30.0, "engine_ttft": 33.0
+    }  # fmt: skip
+    assert st["first_token_phases_p50_ms_past_first"] == {
+        "requests": 3, "queue": 4.0, "prefill": 25.0, "engine_ttft": 29.0
+    }  # fmt: skip
+    assert summarize(rows, 5.0, 6.0)["first_token_phases_p50_ms"] == {"requests": 0}
