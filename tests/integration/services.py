@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 import socket
 import subprocess
 import sys
 import threading
 import time
+
+import grpc
 
 from engine.internal_auth import internal_channel
 from engine.sampling_params import SamplingParams
@@ -95,6 +98,32 @@ async def collect(stub, req) -> tuple[list[int], object, object]:
         else:
             error = resp.error
     return tokens, final, error
+
+
+async def read_call(call) -> tuple[list[int], str]:
+    """(tokens, finish reason) of a gateway client's Generate call (gateway/clients.py), to its
+    end."""
+    tokens, finish = [], ""
+    while (message := await call.read()) is not grpc.aio.EOF:
+        tokens += message.tokens.token_ids
+        finish = message.final.finish_reason or finish
+    return tokens, finish
+
+
+async def open_frames(clients, instance, old=None):
+    """The gateway client's framed connection to `instance` once open (and not `old`). The
+    client connects when a call finds it closed and its back-off over (2 s after a broken one),
+    to the port the decode advertised on its gRPC stream: so calls on gRPC until then."""
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    async with asyncio.timeout(30):
+        for i in itertools.count():
+            frames = getattr(clients._generates.get(instance.address), "frames", None)
+            if frames is not None and frames is not old and frames.is_open:
+                return frames
+            await read_call(
+                clients.generate(instance, generate_request(f"open{i}", [1, 2], params))
+            )
+            await asyncio.sleep(0.1)
 
 
 def decode_stub(addr: str):

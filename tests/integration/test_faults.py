@@ -4,7 +4,6 @@ block pool returns to its idle count (no leaked blocks)."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import signal
 import time
@@ -23,7 +22,9 @@ from tests.integration.services import (
     generate_request,
     get_load,
     metric_value,
+    open_frames,
     prefill_stub,
+    read_call,
     start_services,
     wait_idle,
 )
@@ -141,20 +142,6 @@ def test_abort_during_transfer(cluster):
     asyncio.run(run())
 
 
-async def _open_frames(clients: DecodeClients, instance: Instance, old=None):
-    """The client's framed connection to `instance` once open (and not `old`). The client
-    connects when a call finds it closed and its back-off over (2 s after a broken one), to the
-    port the decode advertised on its gRPC stream: so calls on gRPC until then."""
-    async with asyncio.timeout(30):
-        for i in itertools.count():
-            frames = getattr(clients._generates.get(instance.address), "frames", None)
-            if frames is not None and frames is not old and frames.is_open:
-                return frames
-            call = clients.generate(instance, generate_request(f"open{i}", [1, 2], GREEDY))
-            await collect_call(call)
-            await asyncio.sleep(0.1)
-
-
 def test_dropped_framed_connection_frees_every_block(tiny_qwen3_path, expected):
     """The gateway's framed connection to D (protos/mux_frames.py) dropped without a goodbye,
     once while its request decodes and once while D waits on a stopped P for the prompt's KV:
@@ -175,14 +162,14 @@ def test_dropped_framed_connection_frees_every_block(tiny_qwen3_path, expected):
     async def run():
         stub, clients = decode_stub(d.address), DecodeClients()
         try:
-            frames = await _open_frames(clients, instance)
+            frames = await open_frames(clients, instance)
             decoding = clients.generate(instance, generate_request("drop1", PROMPT, long))
             assert decoding._stream is frames
             assert (await decoding.read()).tokens.token_ids  # it decodes
             frames.transport.abort()
             await wait_idle(stub)
 
-            frames = await _open_frames(clients, instance, old=frames)  # the client's retry
+            frames = await open_frames(clients, instance, old=frames)  # the client's retry
             os.kill(p1.proc.pid, signal.SIGSTOP)
             request = generate_request("drop2", PROMPT, long, [p1.address])
             waiting = clients.generate(instance, request)
@@ -201,10 +188,10 @@ def test_dropped_framed_connection_frees_every_block(tiny_qwen3_path, expected):
             await wait_idle(stub)
             await wait_idle(prefill_stub(p1.address))
 
-            frames = await _open_frames(clients, instance, old=frames)
+            frames = await open_frames(clients, instance, old=frames)
             call = clients.generate(instance, generate_request("after", PROMPT, GREEDY))
             assert call._stream is frames
-            assert await collect_call(call) == expected
+            assert (await read_call(call))[0] == expected
         finally:
             await clients.close()
 
@@ -213,14 +200,6 @@ def test_dropped_framed_connection_frees_every_block(tiny_qwen3_path, expected):
     finally:
         os.kill(p1.proc.pid, signal.SIGCONT)  # so that it can exit
         cluster.stop()
-
-
-async def collect_call(call) -> list[int]:
-    """The tokens of a gateway client's call, to its end."""
-    tokens = []
-    while (message := await call.read()) is not grpc.aio.EOF:
-        tokens += message.tokens.token_ids
-    return tokens
 
 
 def test_decode_refuses_fast_when_full(tiny_qwen3_path):

@@ -21,7 +21,13 @@ from gateway.registry import Instance
 from protos import common_pb2, decode_pb2_grpc
 from tests.e2e.cluster import deploy
 from tests.fixtures.pki import make_pki, tls_env
-from tests.integration.services import ENGINE_FLAGS, collect, generate_request
+from tests.integration.services import (
+    ENGINE_FLAGS,
+    collect,
+    generate_request,
+    open_frames,
+    read_call,
+)
 
 TOKEN = "tls-test-internal-token-0123456789"
 
@@ -110,14 +116,6 @@ def test_mtls_still_needs_the_token(deployment, pki):
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-async def _read_tokens(call) -> tuple[list[int], str]:
-    tokens, finish = [], ""
-    while (message := await call.read()) is not grpc.aio.EOF:
-        tokens += message.tokens.token_ids
-        finish = message.final.finish_reason or finish
-    return tokens, finish
-
-
 def test_the_gateways_framed_connection_to_a_decode_has_mtls_and_the_token(deployment):
     """The decode service advertises its framed port (protos/mux_frames.py) on the gRPC stream;
     the gateway's client connects with this process's certificate and token and gets the same
@@ -129,15 +127,12 @@ def test_the_gateways_framed_connection_to_a_decode_has_mtls_and_the_token(deplo
         clients = DecodeClients()
         try:
             on_grpc = clients.generate(d, generate_request("g1", [5, 6, 7], params))
-            expected = await _read_tokens(on_grpc)
-            generate = clients._generates[d.address]
-            async with asyncio.timeout(30):
-                while generate.frames is None or not generate.frames.is_open:
-                    await asyncio.sleep(0.02)
+            expected = await read_call(on_grpc)
+            frames = await open_frames(clients, d)
             for rid, prefills in (("f1", []), ("f2", [p_addr])):
                 call = clients.generate(d, generate_request(rid, [5, 6, 7], params, prefills))
-                assert call._stream is generate.frames
-                assert await _read_tokens(call) == expected
+                assert call._stream is frames
+                assert await read_call(call) == expected
         finally:
             await clients.close()
 
