@@ -154,10 +154,15 @@ class Stream:
     token_times: list[float] = field(default_factory=list)
 
 
-def step_s(sched, args) -> float:
-    rows = len(sched.scheduled)
-    prompt = sum(s.num_new_tokens for s in sched.scheduled if s.num_new_tokens > 1)
-    return (args.step_ms + rows * args.row_us / 1000 + prompt * args.prompt_token_us / 1000) / 1e3
+def num_prompt_tokens(sched) -> int:
+    return sum(s.num_new_tokens for s in sched.scheduled if s.num_new_tokens > 1)
+
+
+def step_s(num_rows: int, num_prompt: int, args) -> float:
+    """The step time model: base + rows x per-row + prompt tokens x per-token."""
+    return (
+        args.step_ms + num_rows * args.row_us / 1e3 + num_prompt * args.prompt_token_us / 1e3
+    ) / 1e3
 
 
 def run(args) -> dict:
@@ -216,9 +221,10 @@ def run(args) -> dict:
         if not out.is_empty:
             start_s = max(gpu_free_s, host_s + args.host_ms / 1e3)
             gpu_idle_s += max(start_s - gpu_free_s, 0.0) if step_times else 0.0
-            duration = step_s(out, args) * rng.uniform(1 - args.jitter, 1 + args.jitter)
+            prompt = num_prompt_tokens(out)
+            duration = step_s(len(out.scheduled), prompt, args)
+            duration *= rng.uniform(1 - args.jitter, 1 + args.jitter)
             if clock is not None:
-                prompt = sum(x.num_new_tokens for x in out.scheduled if x.num_new_tokens > 1)
                 clock.launched(prompt, args.host_ms / 1e3)
             gpu_free_s = start_s + duration
             step_times.append(duration)
@@ -252,7 +258,7 @@ def run(args) -> dict:
     ttft = sorted((s.token_times[0] - s.arrival_s) * 1e3 for s in warm)
     gaps = sorted((b - a) * 1e3 for s in warm for a, b in zip(s.token_times, s.token_times[1:]))
     total_s = max(s.token_times[-1] for s in streams.values())
-    idle_ms = args.host_ms + step_s_alone(args) * 1e3
+    idle_ms = args.host_ms + step_s(1, args.input_len, args) * 1e3
     itl_p50 = percentile(gaps, 50)
     return {
         "output_tok_s": round(args.num_requests * args.output_len / total_s),
@@ -274,10 +280,6 @@ def run(args) -> dict:
         "num_steps": len(step_times),
         "gpu_idle_ms_between_steps": round(gpu_idle_s * 1e3, 1),
     }
-
-
-def step_s_alone(args) -> float:
-    return (args.step_ms + args.row_us / 1000 + args.input_len * args.prompt_token_us / 1000) / 1e3
 
 
 def main() -> None:
