@@ -79,6 +79,15 @@ class AttentionBackend(ABC):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
+    def warm_up(
+        self, kv_layer: torch.Tensor, num_q_heads: int, dtype: torch.dtype, num_tokens: int
+    ) -> None:
+        """Build whatever `forward` would otherwise build on first use (kernel variants), so
+        no request waits for it. `kv_layer`: one layer of the real cache (read, not written);
+        `dtype`: the queries'; `num_tokens`: a step's token budget. Nothing to do for a
+        backend without JIT kernels."""
+        return None  # torch's kernels are built ahead of time
+
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor):
     """kv_layer: [num_blocks, 2, block_size, H, D] (strided view)."""

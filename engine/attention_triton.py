@@ -20,6 +20,7 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata
 from kernels.kv_cache_write import kv_cache_write
 from kernels.paged_decode_attention import (
+    DecodeConfig,
     SplitWorkspace,
     choose_num_splits,
     paged_decode_attention,
@@ -78,6 +79,33 @@ class TritonPagedAttention(AttentionBackend):
             q, kv_layer, block_tables, seq_lens, scale,
             out=out, max_seq_len=max_seq_len, workspace=workspace,
         )  # fmt: skip
+
+    def warm_up(
+        self, kv_layer: torch.Tensor, num_q_heads: int, dtype: torch.dtype, num_tokens: int
+    ) -> None:
+        """Compile every kernel variant `forward` can launch: the decode kernel single-pass and
+        split (with its merge), and the prefill kernel. The kernels do not specialize on what
+        changes between steps (kernels/paged_decode_attention.py's VARYING), so these are all
+        the variants a server meets, and none compiles while requests wait (on a cold Triton
+        cache each took seconds). The prefill runs at `num_tokens` rows so that, if it is the
+        first prefill, its autotuning times the sizes steps have. Reads block 0 (the null
+        block) only and writes only scratch."""
+        _, _, block_size, _, head_dim = kv_layer.shape
+        dev = kv_layer.device
+        q = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=dtype, device=dev)
+        width = -(-num_tokens // block_size)
+        tables = torch.zeros(1, width, dtype=torch.int32, device=dev)
+        lens = torch.tensor([num_tokens], dtype=torch.int32, device=dev)
+        qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device=dev)
+        prefill_attention(q, kv_layer, tables, qsl, lens, 1.0, max_query_len=num_tokens)
+        tables = torch.zeros(2, 1, dtype=torch.int32, device=dev)
+        lens = torch.ones(2, dtype=torch.int32, device=dev)
+        for splits in (1, 2):
+            workspace = self._workspace(2, num_q_heads, splits, head_dim, q) if splits > 1 else None
+            paged_decode_attention(
+                q[:2], kv_layer, tables, lens, 1.0, max_seq_len=block_size,
+                workspace=workspace, config=DecodeConfig(num_splits=splits),
+            )  # fmt: skip
 
     def reserve(
         self,

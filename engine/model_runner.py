@@ -243,6 +243,15 @@ class ModelRunner:
         dtype = self.config.cache.kv_dtype(self.dtype)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
 
+    def warm_up_kernels(self) -> None:
+        """Compile the attention kernels' variants now, not at a request's first mixed step
+        (engine/attention_triton.py's `warm_up`). After the memory profile, whose full-budget
+        prefill is what the prefill kernel's autotuning should time."""
+        mc, sc = self.config.model, self.config.scheduler
+        num_tokens = min(sc.max_num_batched_tokens, mc.max_model_len)
+        heads = mc.hf_config.num_attention_heads
+        self.attn_backend.warm_up(self.kv_cache[:, 0], heads, self.dtype, num_tokens)
+
     def init_cuda_graphs(self) -> None:
         mc, sc = self.config.model, self.config.scheduler
         if self.device.type != "cuda" or mc.enforce_eager:

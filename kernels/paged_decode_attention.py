@@ -31,6 +31,8 @@ from kernels.utils import check_kv_layer, dot_precision, num_sms
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64  # bounds the workspace and the merge's tile
+# The merge's tile covers every split count (masked): one variant, not one per power of two.
+MERGE_BLOCK_P = triton.next_power_of_2(MAX_SPLITS)
 SPLIT_BLOCK_N = 64  # KV tokens per tile when splitting (partitions are multiples of it)
 SINGLE_BLOCK_N = 128  # and in single-pass programs, which stream long contexts
 
@@ -48,7 +50,15 @@ class DecodeConfig:
     f16_dots: bool | None = None
 
 
-@triton.jit
+# Values that change from step to step are not specialized on (Triton would otherwise compile a
+# variant for each pattern of "== 1" and "divisible by 16" among its int arguments): the eager
+# attention of a mixed step passes the step's split count and block-table width, and a variant
+# first met while serving cost a multi-second compile on a cold Triton cache (the ~5 s stall of
+# the first requests on a fresh machine). `TritonPagedAttention.warm_up` compiles the rest.
+VARYING = ["num_splits", "stride_bt", "stride_ps", "stride_ph"]
+
+
+@triton.jit(do_not_specialize=VARYING)
 def _paged_decode_kernel(
     q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
@@ -139,7 +149,7 @@ def _partition_size(seq_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.maximum(tl.cdiv(tl.cdiv(seq_len, parts), BLOCK_N), 1) * BLOCK_N
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_ps", "stride_ph"])
 def _paged_decode_reduce_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr, seq_lens_ptr, num_splits,
     stride_ps, stride_ph, stride_os, stride_oh,
@@ -280,7 +290,7 @@ def paged_decode_attention(
         _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
             m, l_sum, acc, out, seq_lens, num_splits,
             m.stride(0), m.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_P=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_P=MERGE_BLOCK_P,
             BLOCK_D=block_d,
         )  # fmt: skip
     return out

@@ -73,8 +73,14 @@ def _attn_tiles(
     return acc, l_i, m_i
 
 
+# Not specialized on what changes from step to step (see paged_decode_attention.VARYING): the
+# block table's width, and the alignment of the per-sequence arrays, which a mixed step passes
+# from its first prefill row on (seq_lens[d:] is 16-byte aligned only when d % 4 == 0).
 @triton.autotune(configs=_configs(), key=["HEAD_DIM", "GROUP", "BLOCK_SIZE"])
-@triton.jit
+@triton.jit(
+    do_not_specialize=["stride_bt"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"],
+)
 def _prefill_attention_kernel(
     q_ptr, kv_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     qk_scale,  # softmax scale * log2(e)

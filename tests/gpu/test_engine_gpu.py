@@ -5,6 +5,7 @@ GPU only: `TRITON_INTERPRET=0 pytest -m gpu tests/gpu` (skipped cleanly without 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -129,3 +130,43 @@ def test_spec_decode_gpu_fp32_equals_cpu_without_speculation(tiny_repetitive_pat
         want = [o.outputs[0].token_ids for o in cpu.generate(PROMPTS, params)]
         assert [o.outputs[0].token_ids for o in gpu.generate(PROMPTS, params)] == want
     assert gpu.engine.stats().spec_decode.num_accepted_tokens > 0
+
+
+@contextlib.contextmanager
+def compiles_recorded(names: list[str]):
+    """Append the name of every Triton kernel variant built meanwhile (an in-memory cache miss:
+    on a cold disk cache, a compile of seconds)."""
+
+    def hook(*, fn, **_):
+        names.append(fn.name)
+        return False  # compile it as usual
+
+    from triton import knobs
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield
+    finally:
+        knobs.runtime.jit_cache_hook = None
+
+
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])
+def test_no_kernel_compiles_after_start_up(tiny_qwen3_path, mode):
+    """A fresh machine's Triton cache is cold, so a kernel variant first built while serving
+    stalls every running request for seconds (bench/README.md: the first-wave stall). Start-up
+    must build every variant steps use: here mixed steps of 1 to 7 decodes beside prompt chunks,
+    odd and even token counts, block tables 1 to 20 blocks wide, single-pass and split decode
+    attention; FULL_DECODE_ONLY runs the chunked steps eagerly (every kernel at the step's
+    token count), FULL_AND_PIECEWISE replays pieces around eager attention."""
+    llm = LLM(
+        str(tiny_qwen3_path), device="cuda", dtype="bfloat16", max_model_len=512,
+        num_gpu_blocks_override=256, max_num_batched_tokens=61, cudagraph_mode=mode,
+    )  # fmt: skip
+    lengths = (5, 17, 40, 77, 130, 260, 301)
+    prompts = [[3 + (i * 7 + n) % 200 for i in range(n)] for n in lengths]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    compiled: list[str] = []
+    with compiles_recorded(compiled):
+        outs = llm.generate(prompts, params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [40] * len(prompts)
+    assert not compiled, f"built while serving: {compiled}"

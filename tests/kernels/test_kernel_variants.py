@@ -1,0 +1,117 @@
+"""No attention kernel variant is compiled while serving: start-up builds every one it meets.
+
+Why: Triton compiles a kernel once per specialization of its arguments (which ints are 1 or
+divisible by 16, which pointers are 16-byte aligned, the constexprs). The eager attention of a
+mixed step passed values that change from step to step (the split count, the block table's
+width, `seq_lens[d:]` for d decodes), so new variants kept appearing after start-up, each a
+multi-second compile on a cold Triton cache: the ~5 s stall of a fresh machine's first
+requests. This test asks Triton's own binder for an sm_90 launch (no GPU needed) which variant
+each launch of `TritonPagedAttention` would use, under varied mixed batches, and checks each
+one was already built by `warm_up`. Reverting the kernels' `do_not_specialize` lists fails it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import make_backend
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+from engine.attention import AttentionMetadata
+from engine.attention_triton import TritonPagedAttention
+from kernels.utils import is_interpreting
+
+pytestmark = pytest.mark.skipif(not is_interpreting(), reason="records the interpreter's launches")
+
+BLOCK_SIZE, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 4, 2, 32
+_SM90 = make_backend(GPUTarget("cuda", 90, 32))
+_BINDERS: dict[int, object] = {}
+
+
+def _variant(fn: InterpretedFunction, args: tuple, kwargs: dict) -> tuple[str, str]:
+    """What Triton compiles one variant of `fn` per on sm_90: its arguments' specialization and
+    the launch options (warps, stages)."""
+    binder = _BINDERS.get(id(fn))
+    if binder is None:
+        flags = {
+            k: fn.kwargs.get(k) for k in ("do_not_specialize", "do_not_specialize_on_alignment")
+        }
+        jit = JITFunction(fn.fn, **flags)
+        binder = _BINDERS[id(fn)] = create_function_from_signature(jit.signature, jit.params, _SM90)
+    _, specialization, _ = binder(*args, **kwargs)
+    launch = sorted((k, v) for k, v in kwargs.items() if k not in fn.arg_names)  # num_warps...
+    return fn.fn.__name__, repr((specialization, launch))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every interpreted kernel launch's variant, in order."""
+    seen: list[tuple[str, str]] = []
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        seen.append(_variant(self, args, kwargs))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+    return seen
+
+
+def _mixed_step(num_decodes: int, decode_lens: list[int], chunks: list[tuple[int, int]]):
+    """Metadata of a step: decodes first (context lengths `decode_lens`), then prompt chunks
+    (new tokens, cached prefix). Blocks are 1, 2, ...: the contents do not matter here."""
+    q_lens = [1] * num_decodes + [n for n, _ in chunks]
+    seq_lens = list(decode_lens) + [n + prefix for n, prefix in chunks]
+    width = max(-(-n // BLOCK_SIZE) for n in seq_lens)
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    for i, n in enumerate(seq_lens):
+        tables[i, : -(-n // BLOCK_SIZE)] = torch.arange(1, 1 + -(-n // BLOCK_SIZE))
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        block_size=BLOCK_SIZE,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
+    return meta, qsl[-1]
+
+
+# (decodes' contexts, chunks as (new tokens, cached prefix)): split counts 1 to 5 and more,
+# block tables 1, 16 and 17 blocks wide, 1 to 5 decodes before the prompt rows.
+STEPS = [
+    ([], [(40, 0)]),
+    ([9], [(7, 0)]),
+    ([20, 33], [(16, 0)]),
+    ([100, 7, 64], [(5, 11)]),
+    ([256, 3, 70, 130], [(8, 0), (3, 1)]),
+    ([272, 40, 41, 42, 43], [(32, 240)]),
+    ([300] * 2, []),
+    ([5], []),
+]
+
+
+def test_serving_compiles_no_attention_variant_after_warm_up(launches):
+    backend = TritonPagedAttention(static_max_seq_len=1024)
+    kv_layer = torch.randn(40, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    backend.warm_up(kv_layer, NUM_Q_HEADS, torch.float32, num_tokens=48)
+    built = set(launches)
+    launches.clear()
+    for decode_lens, chunks in STEPS:
+        meta, num_tokens = _mixed_step(len(decode_lens), decode_lens, chunks)
+        q = torch.randn(num_tokens, NUM_Q_HEADS, HEAD_DIM)
+        kv = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+        backend.forward(q, kv, kv, kv_layer, meta, HEAD_DIM**-0.5, kv_written=True)
+    kernels = {name for name, _ in launches}
+    assert kernels == {"_paged_decode_kernel", "_paged_decode_reduce_kernel",
+                       "_prefill_attention_kernel"}  # fmt: skip
+    new = sorted({v for v in launches if v not in built})
+    assert not new, f"{len(new)} variants first met while serving: {[n for n, _ in new]}"
