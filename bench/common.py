@@ -78,8 +78,14 @@ def free_port() -> int:
 
 def process_cpu_s(pid: int) -> float:
     """utime + stime of every thread of `pid`, in seconds."""
+    return sum(process_user_system_s(pid))
+
+
+def process_user_system_s(pid: int) -> tuple[float, float]:
+    """(utime, stime) of every thread of `pid`, in seconds: its own code and the kernel's."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def write_result(

@@ -23,7 +23,12 @@ Per gateway configuration it reports:
     bench/gateway_stages.py, each thread's samples weighed to its CPU time, times
     `cpu_ms_per_request`), taken in a separate window at `--cpu-rate` (sampling perturbs the
     process, so it is not the CPU window); that window's CPU per thread is in
-    `profile_window.thread_cpu_ms_per_request`.
+    `profile_window.thread_cpu_ms_per_request`. py-spy counts a runnable thread as running,
+    so a stage whose system call wakes a peer on these 2 cores and is then preempted reads high
+    (socket writes: ~17% of its samples on 2026-12-05). `native_ms_per_request` splits the same
+    CPU by shared object from `perf record`'s on-CPU samples, taken in the same window (the
+    interpreter, the kernel, tokenizers, pydantic-core, uvloop, protobuf); every window also
+    has `cpu_system_share`, the kernel's part of the gateway's CPU.
 With `--baseline-tree PATH` (a checkout of an older commit: `git worktree add /tmp/base REV`)
 every configuration also runs from that tree (`baseline-edge`, ...), in the same run on the same
 machine, and `ratios` gives current / baseline. CPU windows of all gateways are interleaved.
@@ -75,6 +80,7 @@ from bench.common import (  # noqa: E402
     ensure_internal_token,
     print_table,
     process_cpu_s,
+    process_user_system_s,
     stop_processes,
     write_result,
 )
@@ -299,14 +305,22 @@ async def measure_gateway(
     try:
         await open_loop(send, rate, warmup_s)
         profiler, threads0 = None, {}
+        native = None
         if profile_s:
             profiler = gateway_stages.start_profile(gw.proc.pid, profile_s, PROFILE_HZ)
-            own_pids = [*own_pids, profiler.pid]
+            native = gateway_stages.start_native_profile(gw.proc.pid, profile_s)
+            own_pids = [*own_pids, profiler.pid, *([native.pid] if native else [])]
             threads0 = gateway_stages.thread_cpu_s(gw.proc.pid)
-        cpu0, client0 = process_cpu_s(gw.proc.pid), time.process_time()
+        (user0, system0), client0 = process_user_system_s(gw.proc.pid), time.process_time()
         busy0, own0, t0 = machine_busy_s(), own_cpu_s(own_pids), time.perf_counter()
         result = await open_loop(send, rate, profile_s or duration_s)
-        cpu_s, client_s = process_cpu_s(gw.proc.pid) - cpu0, time.process_time() - client0
+        user_s, system_s = process_user_system_s(gw.proc.pid)
+        user_s, system_s, client_s = (
+            user_s - user0,
+            system_s - system0,
+            time.process_time() - client0,
+        )
+        cpu_s = user_s + system_s
         if profiler is not None:
             threads = gateway_stages.thread_cpu_s(gw.proc.pid)
             thread_cpu = gateway_stages.thread_cpu_between(threads0, threads)
@@ -317,6 +331,7 @@ async def measure_gateway(
     num_ok = max(result["num_ok"], 1)
     result["cpu_ms_per_request"] = round(1000 * cpu_s / num_ok, 3)
     result["client_cpu_ms_per_request"] = round(1000 * client_s / num_ok, 3)
+    result["cpu_system_share"] = round(system_s / cpu_s, 3) if cpu_s else None  # the kernel's
     if profiler is not None:
         stage_shares, num_samples = await asyncio.to_thread(
             gateway_stages.finish, profiler, thread_cpu
@@ -330,6 +345,8 @@ async def measure_gateway(
         # measured CPU: how much of it the samples cover).
         result["sampled_cores"] = round(num_samples / (PROFILE_HZ * int(profile_s)), 3)
         result["stage_shares"] = {k: round(v, 4) for k, v in stage_shares.items()}
+        if native is not None:  # on-CPU samples by library (perf): what the stages run on
+            result["native_shares"] = await asyncio.to_thread(gateway_stages.finish_native, native)
     return result
 
 
@@ -632,6 +649,10 @@ def measure_all(bench: Bench, gateways: list[Gateway], args) -> dict[str, Any]:
             results[gw.name]["stages_ms_per_request"] = {
                 stage: round(share * cpu, 3) for stage, share in w["stage_shares"].items()
             }
+            if "native_shares" in w:  # the same CPU by library, from perf's on-CPU samples
+                results[gw.name]["native_ms_per_request"] = {
+                    dso: round(share * cpu, 3) for dso, share in w["native_shares"].items()
+                }
             results[gw.name]["profile_window"] = w
     if not args.no_saturation:
         for name, search in bench.saturations(gateways).items():
@@ -663,6 +684,12 @@ def print_summary(results: dict[str, Any]) -> None:
         if "stages_ms_per_request" in r:
             stages = ", ".join(f"{k} {v}" for k, v in r["stages_ms_per_request"].items())
             print(f"{name} stages (ms/request): {stages}")
+        if "native_ms_per_request" in r:
+            top = list(r["native_ms_per_request"].items())[:8]
+            print(
+                f"{name} on CPU by library (perf, ms/request): "
+                + ", ".join(f"{k} {v}" for k, v in top)
+            )
     for name, ratio in results.get("ratios_current_over_baseline", {}).items():
         print(f"{name} current / baseline: {ratio}")
 

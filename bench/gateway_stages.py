@@ -171,6 +171,47 @@ def start_profile(pid: int, duration_s: float, rate_hz: int = 200) -> subprocess
     return proc
 
 
+def start_native_profile(pid: int, duration_s: float, rate_hz: int = 999):
+    """`perf record` of `pid`'s on-CPU time for `duration_s`, or None without perf. Unlike
+    py-spy's samples of runnable threads, a cpu-clock sample is taken only while the process
+    runs: a write that wakes its peer and is then preempted costs no samples here. `finish_native`
+    gives the shares by shared object (the interpreter, the kernel, tokenizers, ...)."""
+    binary = shutil.which("perf")
+    if binary is None:
+        return None
+    out = Path(tempfile.mkdtemp(prefix="gateway_native-")) / "perf.data"
+    args = [binary, "record", "-q", "-e", "cpu-clock", "-F", str(rate_hz), "-p", str(pid)]
+    args += ["-o", str(out), "--", "sleep", str(int(duration_s))]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc.output_path = out  # type: ignore[attr-defined]
+    return proc
+
+
+_DSO_LINE = re.compile(r"^\s*([\d.]+)%\s+(\S+)")
+
+
+def finish_native(proc: subprocess.Popen) -> dict[str, float]:
+    """Wait for `perf record`; {shared object: share of the on-CPU samples}, largest first."""
+    _, err = proc.communicate(timeout=120)
+    out: Path = proc.output_path  # type: ignore[attr-defined]
+    try:
+        if proc.returncode != 0:
+            raise RuntimeError(f"perf record failed: {err.decode()[-500:]}")
+        report = subprocess.run(
+            ["perf", "report", "-i", str(out), "--stdio", "--sort", "dso", "--no-children",
+             "-g", "none"],
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(out.parent, ignore_errors=True)
+    shares = {}
+    for line in report.stdout.splitlines():
+        match = _DSO_LINE.match(line)
+        if match and not line.startswith("#"):
+            shares[match.group(2)] = round(float(match.group(1)) / 100, 4)
+    return shares
+
+
 def finish(
     proc: subprocess.Popen, thread_cpu: dict[str, tuple[str, float]] | None = None
 ) -> tuple[dict[str, float], int]:
