@@ -46,7 +46,7 @@ def saturate(x, FP8_MAX: tl.constexpr):
     return x
 
 
-@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])  # as kernels/rotary.py
+@triton.jit
 def _kv_cache_write_kernel(
     k_ptr, v_ptr, kv_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,

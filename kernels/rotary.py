@@ -48,10 +48,11 @@ def _rope_heads(
     return out1.to(dtype), out2.to(dtype)
 
 
-# A step's positions and slots are slices of one device buffer, at offsets that follow its token
-# count: not specialized on their alignment (a variant per parity compiled mid-serving; see
-# paged_decode_attention.VARYING). Each program loads one of each.
-@triton.jit(do_not_specialize_on_alignment=["positions_ptr", "slot_mapping_ptr"])
+# A step's positions are a slice of one device buffer at an offset of its (padded) token count,
+# 16-byte aligned only when that count is even: not specialized on (an eager step of the other
+# parity compiled a variant while serving; see paged_decode_attention.VARYING). Each program
+# loads one position.
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])
 def _rotary_kernel(
     positions_ptr, q_ptr, k_ptr, cache_ptr, q_norm_ptr, k_norm_ptr, eps,
     num_q_heads, num_kv_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,

@@ -19,30 +19,39 @@ from triton.compiler.compiler import make_backend
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
+from engine import LLM, SamplingParams
 from engine.attention import AttentionMetadata
 from engine.attention_triton import TritonPagedAttention
+from engine.piecewise_graph import PiecewiseGraphs
 from kernels.utils import is_interpreting
 
 pytestmark = pytest.mark.skipif(not is_interpreting(), reason="records the interpreter's launches")
 
 BLOCK_SIZE, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 4, 2, 32
 _SM90 = make_backend(GPUTarget("cuda", 90, 32))
-_BINDERS: dict[int, object] = {}
+_BINDERS: dict[int, tuple] = {}
+
+
+def _specialization(fn: InterpretedFunction, args: tuple, kwargs: dict) -> tuple[str, list, list]:
+    """(name, the declared constexprs and launch options (warps, stages), the specialization of
+    every other argument) of a launch of `fn`, as Triton's own binder for sm_90 sees it."""
+    entry = _BINDERS.get(id(fn))
+    if entry is None:
+        names = ("do_not_specialize", "do_not_specialize_on_alignment")
+        jit = JITFunction(fn.fn, **{k: fn.kwargs.get(k) for k in names})
+        binder = create_function_from_signature(jit.signature, jit.params, _SM90)
+        entry = _BINDERS[id(fn)] = (binder, [p.is_constexpr for p in jit.params])
+    binder, is_constexpr = entry
+    _, specialization, _ = binder(*args, **kwargs)
+    launch = sorted((k, v) for k, v in kwargs.items() if k not in fn.arg_names)
+    declared = [s for s, c in zip(specialization, is_constexpr) if c] + launch
+    return fn.fn.__name__, declared, [s for s, c in zip(specialization, is_constexpr) if not c]
 
 
 def _variant(fn: InterpretedFunction, args: tuple, kwargs: dict) -> tuple[str, str]:
-    """What Triton compiles one variant of `fn` per on sm_90: its arguments' specialization and
-    the launch options (warps, stages)."""
-    binder = _BINDERS.get(id(fn))
-    if binder is None:
-        flags = {
-            k: fn.kwargs.get(k) for k in ("do_not_specialize", "do_not_specialize_on_alignment")
-        }
-        jit = JITFunction(fn.fn, **flags)
-        binder = _BINDERS[id(fn)] = create_function_from_signature(jit.signature, jit.params, _SM90)
-    _, specialization, _ = binder(*args, **kwargs)
-    launch = sorted((k, v) for k, v in kwargs.items() if k not in fn.arg_names)  # num_warps...
-    return fn.fn.__name__, repr((specialization, launch))
+    """What Triton compiles one variant of `fn` per on sm_90."""
+    name, declared, others = _specialization(fn, args, kwargs)
+    return name, repr((declared, others))
 
 
 @pytest.fixture
@@ -115,3 +124,48 @@ def test_serving_compiles_no_attention_variant_after_warm_up(launches):
                        "_prefill_attention_kernel"}  # fmt: skip
     new = sorted({v for v in launches if v not in built})
     assert not new, f"{len(new)} variants first met while serving: {[n for n, _ in new]}"
+
+
+@pytest.fixture
+def specializations(monkeypatch):
+    """Every interpreted kernel launch's `_specialization`, in order."""
+    seen: list[tuple[str, list, list]] = []
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        seen.append(_specialization(self, args, kwargs))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+    return seen
+
+
+@pytest.mark.parametrize("pieces", [False, True], ids=["eager", "pieces"])
+def test_no_kernel_specializes_on_a_steps_shape(tiny_qwen3_path, specializations, pieces):
+    """The whole CUDA model path (every Triton kernel: norms, RoPE with the KV store, SiLU-mul,
+    attention), run by the engine under the interpreter through steps of odd and even token
+    counts, mixed steps of 1 to 4 decodes, block tables of 1 to 4 blocks: for each kernel and
+    each choice of its constexprs, every launch has the same specialization of its other
+    arguments. A kernel that specialized on a value that changes with the step (the positions'
+    offset into the step's buffer, a split count) would compile while serving. `pieces`: the
+    prefill and mixed steps run as (uncaptured) piecewise graphs, padded to 8 or 16 tokens."""
+    llm = LLM(str(tiny_qwen3_path), max_num_batched_tokens=13, max_num_seqs=4)
+    runner = llm.engine.runner
+    runner.attn_backend = TritonPagedAttention(static_max_seq_len=4096)
+    runner.model.use_fused_kernels = True
+    if pieces:
+        runner.piecewise = PiecewiseGraphs(
+            runner.model, runner.kv_cache, runner.attn_backend, [8, 16], use_graphs=False
+        )
+    prompts = [[3 + (7 * i + n) % 90 for i in range(n)] for n in (3, 9, 20, 41, 6)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm.generate(prompts, params)
+    by_choice: dict[tuple[str, str], set[str]] = {}
+    for name, declared, others in specializations:
+        by_choice.setdefault((name, repr(declared)), set()).add(repr(others))
+    assert {name for name, _ in by_choice} >= {
+        "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel",
+        "_paged_decode_kernel", "_prefill_attention_kernel",
+    }  # fmt: skip
+    varying = {name: len(found) for (name, _), found in by_choice.items() if len(found) > 1}
+    assert not varying, f"specializations that follow the step (kernel: how many): {varying}"
