@@ -20,10 +20,10 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from engine import LLM, SamplingParams
-from engine.attention import AttentionMetadata
 from engine.attention_triton import TritonPagedAttention
 from engine.piecewise_graph import PiecewiseGraphs
 from kernels.utils import is_interpreting
+from tests.engine.test_attention_triton import _meta
 
 pytestmark = pytest.mark.skipif(not is_interpreting(), reason="records the interpreter's launches")
 
@@ -48,50 +48,36 @@ def _specialization(fn: InterpretedFunction, args: tuple, kwargs: dict) -> tuple
     return fn.fn.__name__, declared, [s for s, c in zip(specialization, is_constexpr) if not c]
 
 
-def _variant(fn: InterpretedFunction, args: tuple, kwargs: dict) -> tuple[str, str]:
-    """What Triton compiles one variant of `fn` per on sm_90."""
-    name, declared, others = _specialization(fn, args, kwargs)
+def _variant(name: str, declared: list, others: list) -> tuple[str, str]:
+    """What Triton compiles one variant of a kernel per (a `_specialization`)."""
     return name, repr((declared, others))
 
 
 @pytest.fixture
-def launches(monkeypatch):
-    """Every interpreted kernel launch's variant, in order."""
-    seen: list[tuple[str, str]] = []
+def specializations(monkeypatch):
+    """Every interpreted kernel launch's `_specialization`, in order."""
+    seen: list[tuple[str, list, list]] = []
     run = InterpretedFunction.run
 
     def recording_run(self, *args, grid, warmup, **kwargs):
-        seen.append(_variant(self, args, kwargs))
+        seen.append(_specialization(self, args, kwargs))
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     monkeypatch.setattr(InterpretedFunction, "run", recording_run)
     return seen
 
 
-def _mixed_step(num_decodes: int, decode_lens: list[int], chunks: list[tuple[int, int]]):
-    """Metadata of a step: decodes first (context lengths `decode_lens`), then prompt chunks
-    (new tokens, cached prefix). Blocks are 1, 2, ...: the contents do not matter here."""
-    q_lens = [1] * num_decodes + [n for n, _ in chunks]
-    seq_lens = list(decode_lens) + [n + prefix for n, prefix in chunks]
-    width = max(-(-n // BLOCK_SIZE) for n in seq_lens)
-    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
-    for i, n in enumerate(seq_lens):
-        tables[i, : -(-n // BLOCK_SIZE)] = torch.arange(1, 1 + -(-n // BLOCK_SIZE))
-    qsl = [0]
-    for n in q_lens:
-        qsl.append(qsl[-1] + n)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables,
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
-        block_size=BLOCK_SIZE,
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-    )
-    return meta, qsl[-1]
+def _mixed_step(decode_lens: list[int], chunks: list[tuple[int, int]]):
+    """Metadata of a step (as tests/engine's `_meta` builds it): decodes first (context lengths
+    `decode_lens`), then prompt chunks (new tokens, cached prefix), over blocks 1, 2, ...;
+    and its number of tokens."""
+    computed = [n - 1 for n in decode_lens] + [prefix for _, prefix in chunks]
+    new = [1] * len(decode_lens) + [n for n, _ in chunks]
+    blocks = [-(-(c + n) // BLOCK_SIZE) for c, n in zip(computed, new)]
+    tables = torch.zeros(len(new), max(blocks), dtype=torch.int32)
+    for row, num_blocks in zip(tables, blocks):
+        row[:num_blocks] = torch.arange(1, 1 + num_blocks)
+    return _meta(computed, new, tables, BLOCK_SIZE), sum(new)
 
 
 # (decodes' contexts, chunks as (new tokens, cached prefix)): split counts 1 to 5 and more,
@@ -108,36 +94,22 @@ STEPS = [
 ]
 
 
-def test_serving_compiles_no_attention_variant_after_warm_up(launches):
+def test_serving_compiles_no_attention_variant_after_warm_up(specializations):
     backend = TritonPagedAttention(static_max_seq_len=1024)
     kv_layer = torch.randn(40, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     backend.warm_up(kv_layer, NUM_Q_HEADS, torch.float32, num_tokens=48)
-    built = set(launches)
-    launches.clear()
+    built = {_variant(*launch) for launch in specializations}
+    specializations.clear()
     for decode_lens, chunks in STEPS:
-        meta, num_tokens = _mixed_step(len(decode_lens), decode_lens, chunks)
+        meta, num_tokens = _mixed_step(decode_lens, chunks)
         q = torch.randn(num_tokens, NUM_Q_HEADS, HEAD_DIM)
         kv = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
         backend.forward(q, kv, kv, kv_layer, meta, HEAD_DIM**-0.5, kv_written=True)
-    kernels = {name for name, _ in launches}
+    kernels = {name for name, _, _ in specializations}
     assert kernels == {"_paged_decode_kernel", "_paged_decode_reduce_kernel",
                        "_prefill_attention_kernel"}  # fmt: skip
-    new = sorted({v for v in launches if v not in built})
+    new = sorted({_variant(*launch) for launch in specializations} - built)
     assert not new, f"{len(new)} variants first met while serving: {[n for n, _ in new]}"
-
-
-@pytest.fixture
-def specializations(monkeypatch):
-    """Every interpreted kernel launch's `_specialization`, in order."""
-    seen: list[tuple[str, list, list]] = []
-    run = InterpretedFunction.run
-
-    def recording_run(self, *args, grid, warmup, **kwargs):
-        seen.append(_specialization(self, args, kwargs))
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
-    return seen
 
 
 @pytest.mark.parametrize("pieces", [False, True], ids=["eager", "pieces"])
