@@ -90,13 +90,16 @@ def start_serve(
     extra: list[str] | None = None,
     trace_dir: Path | None = None,
     stacks_dir: Path | None = None,
+    triton_cache: Path | None = None,
 ) -> tuple[subprocess.Popen, list[str]]:
     """`tandem serve` with this bench's flags and `num_prefill`, or with `extra` instead;
     `trace_dir`: its services write their step traces there when they stop; `stacks_dir`:
-    their stack samples (`engine/stack_sampler.py`)."""
+    their stack samples (`engine/stack_sampler.py`); `triton_cache`: their TRITON_CACHE_DIR."""
     flags = extra if extra is not None else [*ENGINE_FLAGS, "--num-prefill", str(num_prefill)]
     cmd = [sys.executable, "-m", "tandem.cli", "serve", str(path), *flags, "--port", str(port)]
     env = dict(os.environ)
+    if triton_cache is not None:
+        env["TRITON_CACHE_DIR"] = str(triton_cache)
     if trace_dir is not None:
         env["TANDEM_STEP_TRACE_DIR"] = str(trace_dir)
     if stacks_dir is not None:
@@ -268,6 +271,15 @@ def steps_line(st: dict) -> str:
     )
 
 
+def kernels_built_since(cache: Path, before: set[str]) -> list[str]:
+    """The kernels Triton compiled into `cache` (a TRITON_CACHE_DIR) since its entries were
+    `before`, sorted: one name per new entry (its compiled files are named after the kernel)."""
+    names = []
+    for entry in set(os.listdir(cache)) - before:
+        names += {f.split(".")[0] for f in os.listdir(cache / entry) if not f.startswith("__")}
+    return sorted(names)
+
+
 def bench_point(
     path: Path, port: int, concurrency: int, n: int, out_dir: Path, label: str, seed: int
 ):
@@ -339,6 +351,11 @@ def main() -> None:
         "life: summaries in modes[mode]['stacks'], raw files beside the result",
     )  # fmt: skip
     ap.add_argument(
+        "--cold-triton-cache", action="store_true",
+        help="give each server an empty TRITON_CACHE_DIR (a fresh machine's) and record the "
+        "kernels compiled after it was serving (modes[mode]['kernels_built_while_serving'])",
+    )  # fmt: skip
+    ap.add_argument(
         "--gateway-flags", default="",
         help="extra `tandem serve` flags for its gateway, e.g. '--shed-busy-fraction 0'",
     )  # fmt: skip
@@ -405,6 +422,7 @@ def main() -> None:
             t = time.monotonic()
             trace_dir = Path(tmp) / f"trace-{mode}"
             windows: dict[str, tuple[float, float]] = {}  # each point's span, for its steps
+            cache = Path(tmp) / f"triton-{mode}" if args.cold_triton_cache else None
             proc, log = start_serve(
                 path,
                 num_prefill,
@@ -412,9 +430,11 @@ def main() -> None:
                 [*flags, "--num-prefill", str(num_prefill), "--metrics-port", "0"],
                 trace_dir,
                 Path(tmp) / f"stacks-{mode}" if args.stack_samples else None,
+                cache,
             )
             urls = metrics_urls(log)
             print(f"{mode}: serving after {time.monotonic() - t:.0f} s", flush=True)
+            built_at_start = set(os.listdir(cache)) if cache is not None else set()
             try:
                 modes[mode] = {}
                 label = f"serve_gpu-{mode}"
@@ -468,6 +488,11 @@ def main() -> None:
             finally:
                 stop_serve(proc)
                 (out_dir / f"serve_gpu-{mode}.log").write_text("".join(log[-5000:]))
+            if cache is not None:  # each a compile the engine loop waited for
+                late = modes[mode]["kernels_built_while_serving"] = kernels_built_since(
+                    cache, built_at_start
+                )
+                print(f"{mode}: {len(late)} kernels compiled while serving: {late}", flush=True)
             if args.stack_samples:
                 modes[mode]["stacks"] = {}
                 for f in sorted((Path(tmp) / f"stacks-{mode}").glob("*.json")):

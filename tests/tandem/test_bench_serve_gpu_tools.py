@@ -3,10 +3,17 @@ layer's mean TTFT over a point from two scrapes, and the one-line step summary."
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from bench import serve_gpu
 from engine.step_trace import KINDS
+
+REPO = Path(__file__).resolve().parents[2]
 
 LOG = [
     "Tandem is serving m at http://127.0.0.1:8100/v1 (1 prefill, 1 decode)\n",
@@ -89,3 +96,40 @@ def test_steps_line_names_every_kind():
     line = serve_gpu.steps_line(st)
     assert line.startswith("steps 12 step_s 1.5 gpu_idle 0.25s")
     assert all(f"{kind}={i + 1}x8seq/100tok/0.5s" in line for i, kind in enumerate(KINDS))
+
+
+_COMPILE = """
+import sys
+from kernels import activation, rms_norm
+from tests.kernels.test_compile_sm90 import _compile
+bf = "*bf16"
+if sys.argv[1] == "norm":
+    types = dict(x_ptr=bf, residual_ptr=bf, weight_ptr=bf, out_ptr=bf, eps="fp32")
+    _compile(rms_norm._rms_norm_kernel, types, dict(HAS_RESIDUAL=False, BLOCK=1024))
+else:
+    _compile(activation._silu_and_mul_kernel, dict(x_ptr=bf, out_ptr=bf), dict(BLOCK=1024))
+"""
+
+
+def _compile_into(cache, which: str) -> None:
+    """Compile one kernel for sm_90 into `cache`, in a process without the interpreter (it
+    replaces @triton.jit, as in tests/kernels/test_compile_sm90.py)."""
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(cache), PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE, which], cwd=REPO, env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_kernels_built_since_names_what_triton_compiled(tmp_path):
+    """Against Triton's own cache layout: two kernels compiled for sm_90 (no GPU needed) into
+    an empty TRITON_CACHE_DIR, the second after a snapshot; only the second is named."""
+    _compile_into(tmp_path, "norm")
+    before = set(os.listdir(tmp_path))
+    assert serve_gpu.kernels_built_since(tmp_path, before) == []
+    _compile_into(tmp_path, "act")
+    assert serve_gpu.kernels_built_since(tmp_path, before) == ["_silu_and_mul_kernel"]
+    assert serve_gpu.kernels_built_since(tmp_path, set()) == [
+        "_rms_norm_kernel", "_silu_and_mul_kernel"
+    ]  # fmt: skip
