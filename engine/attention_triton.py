@@ -87,7 +87,7 @@ class TritonPagedAttention(AttentionBackend):
         split (with its merge), and the prefill kernel. The kernels do not specialize on what
         changes between steps (kernels/paged_decode_attention.py's VARYING), so these are all
         the variants a server meets, and none compiles while requests wait (on a cold Triton
-        cache each took seconds). The prefill runs at `num_tokens` rows so that, if it is the
+        cache each takes up to ~1.5 s). The prefill runs at `num_tokens` rows so that, if it is the
         first prefill, its autotuning times the sizes steps have. Reads block 0 (the null
         block) only and writes only scratch."""
         _, _, block_size, _, head_dim = kv_layer.shape
