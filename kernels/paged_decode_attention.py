@@ -53,9 +53,9 @@ class DecodeConfig:
 # Values that change from step to step are not specialized on (Triton would otherwise compile a
 # variant for each pattern of "== 1" and "divisible by 16" among its int arguments): the eager
 # attention of a mixed step passes the step's split count and block-table width, and a variant
-# first met while serving cost a compile of up to ~1.5 s on a cold Triton cache (likely the
-# ~5 s stall of a fresh machine's first requests, bench/README.md 2026-12-07; unconfirmed on a
-# GPU). `TritonPagedAttention.warm_up` compiles the rest.
+# first met while serving cost a compile of up to ~1.5 s on a cold Triton cache: the ~5 s stall
+# of a fresh machine's first requests (confirmed on an H100, bench/README.md 2026-12-07).
+# `TritonPagedAttention.warm_up` compiles the rest.
 VARYING = ["num_splits", "stride_bt", "stride_ps", "stride_ph"]
 
 
