@@ -214,6 +214,8 @@ class SamplingParams:
         differ yet stay reproducible. Without one they share the global RNG and differ anyway.
         """
         assert 0 <= index < self.n, f"child index {index} out of range for n={self.n}"
+        if self.n == 1:  # the only child is the request itself (frozen: safe to share)
+            return self
         seed = None if self.seed is None else self.seed + index
         return dataclasses.replace(self, n=1, seed=seed)
 

@@ -18,6 +18,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
@@ -103,6 +104,9 @@ class GatewayMetrics:
             "1 while Redis is unreachable and quotas run per gateway, in memory.",
             registry=r,
         )
+        # The model's series, bound once: every request records five of them, and `labels()`
+        # costs a lock and a lookup each time.
+        self.of_model = ModelSeries(self, model_name)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -128,6 +132,27 @@ class GatewayMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class ModelSeries:
+    """The series of `metrics` labelled with one model name."""
+
+    def __init__(self, metrics: GatewayMetrics, model_name: str):
+        self.prompt_tokens = metrics.prompt_tokens.labels(model_name)
+        self.generation_tokens = metrics.generation_tokens.labels(model_name)
+        self.e2e_latency = metrics.e2e_latency.labels(model_name)
+        self.ttft = metrics.ttft.labels(model_name)
+        self.prepare = metrics.prepare.labels(model_name)
+        self._success = metrics.request_success
+        self._model_name = model_name
+        self._success_by_reason: dict[str, Any] = {}
+
+    def request_success(self, finished_reason: str) -> Any:
+        child = self._success_by_reason.get(finished_reason)
+        if child is None:
+            child = self._success.labels(self._model_name, finished_reason)
+            self._success_by_reason[finished_reason] = child
+        return child
 
 
 class _QuietHandler(WSGIRequestHandler):
