@@ -4,6 +4,7 @@ framing, per-thread counters per request."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -83,3 +84,18 @@ def test_per_request_sums_threads_by_kind():
     assert r["threads"]["event_engine"]["cpu_ms"] == 1.0
     assert r["cpu_ms_per_request"] == pytest.approx(33.0)
     assert r["wakeups_per_request"] == pytest.approx(3.0 + 2.0 + 3.0)
+
+
+def test_cache_refill_times_known_work_and_runs_every_piece():
+    from bench import cache_refill
+
+    def spin_300us():
+        end = time.perf_counter() + 300e-6
+        while time.perf_counter() < end:
+            pass
+
+    r = cache_refill.measure(spin_300us, gap_s=0.001, calls=5)
+    assert r["cold_wall_us"] >= 300 and r["warm_wall_us"] >= 300
+    assert 0 < r["warm_cpu_us"] <= r["warm_wall_us"] * 1.5
+    for name, fn in cache_refill.pieces().items():  # the gateway's own code: they must work
+        assert fn(), name
