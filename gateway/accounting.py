@@ -45,15 +45,13 @@ class _Meter:
         # gone): they were sent to decodes and may have been prefilled; a caller must not be
         # able to keep the cluster busy with requests that cost it nothing.
         self.edge.quota.release(self.ticket, usage["total_tokens"])
-        m = self.edge.metrics.of_model
-        if was_served:
-            m.prompt_tokens.inc(usage["prompt_tokens"])
-            m.generation_tokens.inc(num_completion_tokens)
         finished = [c.finish_reason for c in choices if c.finish_reason is not None]
-        for reason in finished:
-            m.request_success(reason).inc()
+        e2e_s = None
         if choices and len(finished) == len(choices):
-            m.e2e_latency.observe(time.perf_counter() - self.start_s)
+            e2e_s = time.perf_counter() - self.start_s
+        tokens = (usage["prompt_tokens"], num_completion_tokens) if was_served else (0, 0)
+        observe = self.edge.metrics.of_model.observe_request
+        self.edge.bookkeeping.defer(observe, *tokens, finished, e2e_s)
 
     async def timed(self, body: AsyncIterator) -> AsyncIterator:
         """The streamed body, observing the time to its first chunk (first tokens are in hand:
@@ -64,7 +62,7 @@ class _Meter:
                 if is_first:
                     is_first = False
                     elapsed_s = time.perf_counter() - self.start_s
-                    self.edge.metrics.of_model.ttft.observe(elapsed_s)
+                    self.edge.bookkeeping.defer(self.edge.metrics.of_model.ttft.observe, elapsed_s)
                 yield chunk
         finally:
             aclose = getattr(body, "aclose", None)
@@ -118,7 +116,7 @@ async def metered(
     tokens actually used."""
     now_s = time.perf_counter()
     start_s = request.scope.get("state", {}).get("arrival_s", now_s)
-    edge.metrics.of_model.prepare.observe(now_s - start_s)
+    edge.bookkeeping.defer(edge.metrics.of_model.prepare.observe, now_s - start_s)
     meter = _Meter(edge, ticket, builder, start_s)
     try:
         response = await run()

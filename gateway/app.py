@@ -107,5 +107,5 @@ def create_app(
     # Overload: 503 before a body is parsed (inside the edge: unknown paths stay 404s).
     app.add_middleware(SheddingMiddleware, shedder=shedder)
     state.edge.install(app)  # allowlist, auth, CORS: inside the access log
-    app.add_middleware(AccessLogMiddleware)
+    app.add_middleware(AccessLogMiddleware, bookkeeping=state.edge.bookkeeping)
     return app

@@ -17,6 +17,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from gateway.allowlist import OPTIONAL_ROUTES, ROUTES, EdgeMiddleware
 from gateway.auth import KeyStore, Principal, anonymous
+from gateway.bookkeeping import Bookkeeping
 from gateway.config import GatewaySettings
 from gateway.metrics import Documents, GatewayMetrics
 from gateway.quota_service import QuotaService
@@ -34,6 +35,8 @@ class Edge:
     metrics_address: tuple[str, int] | None = None  # where /metrics listens, once started
     # Served next to /metrics (create_app adds /openapi.json): operators' documents.
     internal_documents: Documents = field(default_factory=dict)
+    # Access-log lines and metric observations, written in batches (gateway/bookkeeping.py).
+    bookkeeping: Bookkeeping = field(default_factory=Bookkeeping)
 
     @classmethod
     def from_settings(cls, settings: GatewaySettings, model_name: str) -> Edge:
@@ -89,5 +92,6 @@ class Edge:
             )
 
     async def close(self) -> None:
+        self.bookkeeping.flush()  # the last requests' lines and metrics
         self.metrics.stop_server()
         await self.quota.close()

@@ -147,6 +147,24 @@ class ModelSeries:
         self._model_name = model_name
         self._success_by_reason: dict[str, Any] = {}
 
+    def observe_request(
+        self,
+        num_prompt_tokens: int,
+        num_completion_tokens: int,
+        finish_reasons: list[str],
+        e2e_s: float | None,
+    ) -> None:
+        """A finished request: its tokens, a success per finished choice, and its end-to-end
+        latency when every choice finished."""
+        if num_prompt_tokens:
+            self.prompt_tokens.inc(num_prompt_tokens)
+        if num_completion_tokens:
+            self.generation_tokens.inc(num_completion_tokens)
+        for reason in finish_reasons:
+            self.request_success(reason).inc()
+        if e2e_s is not None:
+            self.e2e_latency.observe(e2e_s)
+
     def request_success(self, finished_reason: str) -> Any:
         child = self._success_by_reason.get(finished_reason)
         if child is None:

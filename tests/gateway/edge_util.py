@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
@@ -56,3 +57,12 @@ def sdk(url: str, key: str) -> openai.OpenAI:
 def chat(url: str, key: str, **kwargs):
     kwargs.setdefault("max_tokens", 2)
     return sdk(url, key).chat.completions.create(model=SERVED_NAME, messages=MESSAGES, **kwargs)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Until `predicate()` holds (access-log lines and metrics are written in batches, up to
+    0.1 s after a request: gateway/bookkeeping.py)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)

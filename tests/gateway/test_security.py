@@ -15,6 +15,7 @@ from tests.gateway.edge_util import (
     MESSAGES,
     chat,
     edge_gateway,
+    wait_for,
     write_keys,
 )
 
@@ -143,7 +144,18 @@ def test_metrics_only_on_the_internal_port(secured):
         chat(url, "sk-wrong-key-000000000000")
     host, port = state.edge.metrics_address
     assert host == "127.0.0.1" and port != int(url.rsplit(":", 1)[1])
-    text = httpx.get(f"http://{host}:{port}/metrics").text
+    label = f'{{model_name="{SERVED_NAME}"}}'
+
+    def metrics() -> str:
+        return httpx.get(f"http://{host}:{port}/metrics").text
+
+    def sample(text: str, name: str) -> float:
+        line = next(x for x in text.splitlines() if x.startswith(name + label + " "))
+        return float(line.rsplit(" ", 1)[1])
+
+    # Observed in batches (gateway/bookkeeping.py): both chats' observations, then read.
+    wait_for(lambda: sample(metrics(), "vllm:e2e_request_latency_seconds_count") == 2)
+    text = metrics()
     for name in (
         "vllm:request_success_total",
         "vllm:e2e_request_latency_seconds_bucket",
@@ -159,23 +171,20 @@ def test_metrics_only_on_the_internal_port(secured):
         text
     )
     # The gateway's own part of the TTFT (arrival to ready for a decode), one per request.
-    label = f'{{model_name="{SERVED_NAME}"}}'
-
-    def sample(text: str, name: str) -> float:
-        line = next(x for x in text.splitlines() if x.startswith(name + label + " "))
-        return float(line.rsplit(" ", 1)[1])
-
     assert [c for c in chat(url, KEY_ALPHA, stream=True)]
-    after = httpx.get(f"http://{host}:{port}/metrics").text
+    wait_for(lambda: sample(metrics(), "vllm:e2e_request_latency_seconds_count") == 3)
+    after = metrics()
     grew = {
         name: sample(after, name) - sample(text, name)
         for name in (
             "tandem:request_prepare_seconds_count",
             "tandem:request_prepare_seconds_sum",
             "vllm:time_to_first_token_seconds_sum",
+            "vllm:generation_tokens_total",
         )
     }
     assert grew["tandem:request_prepare_seconds_count"] == 1
+    assert grew["vllm:generation_tokens_total"] >= 1
     assert 0 < grew["tandem:request_prepare_seconds_sum"]
     assert grew["tandem:request_prepare_seconds_sum"] < grew["vllm:time_to_first_token_seconds_sum"]
 
