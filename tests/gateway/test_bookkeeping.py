@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from gateway import access_log
 from gateway.access_log import AccessLogMiddleware
 from gateway.bookkeeping import Bookkeeping
+from tests.gateway.edge_util import KEY_ALPHA, chat, edge_gateway
 
 
 def test_deferred_work_waits_for_its_batch_then_runs_in_order():
@@ -125,3 +126,19 @@ def test_paths_outside_the_allowlist_are_not_logged(caplog):
         asyncio.run(main())
     (record,) = [r for r in caplog.records if r.name == "gateway.access"]
     assert "<not allowed>" in record.getMessage() and "secret" not in record.getMessage()
+
+
+def test_a_gateway_that_stops_writes_what_it_held(tiny_qwen3_path, model_info, fakes, caplog):
+    """The app's shutdown flushes the batch: no line or metric is lost to a drained stop."""
+    keys = f"{KEY_ALPHA}:alpha"
+    with caplog.at_level(logging.INFO, logger="gateway.access"):
+        with edge_gateway(tiny_qwen3_path, model_info, decode=[fakes[0][1]], api_keys=keys) as (
+            url,
+            state,
+        ):
+            state.edge.bookkeeping.interval_s = 3600.0  # only the shutdown can write it
+            chat(url, KEY_ALPHA)
+            assert not [r for r in caplog.records if r.name == "gateway.access"]
+        lines = [r.getMessage() for r in caplog.records if r.name == "gateway.access"]
+    assert len(lines) == 1 and lines[0].startswith("POST /v1/chat/completions 200 ")
+    assert lines[0].endswith("tenant=alpha")
