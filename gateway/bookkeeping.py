@@ -4,9 +4,9 @@ and its metric observations.
 At light load a gateway runs each request alone, milliseconds after the last one, and the code
 and data the request touches have left the CPU caches by then (bench/cache_refill.py: on the
 2-core test VMs an access-log line costs ~200 us of CPU cold and ~17 us warm; five metric
-observations ~70 us and ~7 us). Run for several requests in a row, they pay that once. Dropping
-them altogether saved 0.27 ms of ~2.5 ms per request at 100 req/s
-(bench/results/gateway_overhead_bookkeeping_knockout-2026-12-07.json).
+observations ~70 us and ~7 us). Run for several requests in a row, they pay that once. At 100
+req/s this saves ~0.1 ms of ~2.5 ms of CPU per request (-4%; dropping the work altogether would
+save 0.27 ms; bench/README.md, 2026-12-07).
 
 A batch runs `interval_s` (0.1 s) after the first work deferred into it, at once when
 `max_pending` are waiting, and on `flush()` (the app's shutdown flushes, so a drained gateway
