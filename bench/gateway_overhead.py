@@ -31,7 +31,8 @@ Per gateway configuration it reports:
     has `cpu_system_share`, the kernel's part of the gateway's CPU.
 With `--baseline-tree PATH` (a checkout of an older commit: `git worktree add /tmp/base REV`)
 every configuration also runs from that tree (`baseline-edge`, ...), in the same run on the same
-machine, and `ratios` gives current / baseline. CPU windows of all gateways are interleaved.
+machine, and `ratios` gives current / baseline. CPU windows of all gateways are interleaved,
+the order reversed every other round (the first in a round reads ~3.5% high).
 
 Open loop: request i is sent at t0 + i / rate whether or not earlier ones finished, and its
 latency runs from that scheduled time (no coordinated omission: a stalled gateway shows up as
@@ -532,7 +533,12 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--cpu-rate", type=float, default=100.0, help="req/s of the CPU window")
     p.add_argument("--cpu-s", type=float, default=30.0, help="CPU window (per repeat)")
-    p.add_argument("--cpu-repeats", type=int, default=2, help="CPU windows per gateway")
+    p.add_argument(
+        "--cpu-repeats",
+        type=int,
+        default=2,
+        help="CPU windows per gateway (even: each gateway first in as many rounds)",
+    )
     p.add_argument("--profile-s", type=float, default=20.0, help="py-spy window (0: none)")
     p.add_argument("--target-p99-ms", type=float, default=50.0, help="saturation: added p99")
     p.add_argument("--start-rate", type=float, default=50.0, help="saturation search start")
@@ -629,13 +635,22 @@ def main() -> None:
     print(f"wrote {path}")
 
 
+def cpu_window_order(gateways: Sequence[Gateway], repeats: int) -> list[Gateway]:
+    """The gateways' CPU windows in turn, the order reversed every other round (A B B A ...):
+    the gateway whose window comes first in a round reads ~3.5% high (bench/README.md,
+    2026-12-07), and over an even number of rounds each comes first equally often."""
+    order: list[Gateway] = []
+    for i in range(repeats):
+        order += gateways if i % 2 == 0 else list(reversed(gateways))
+    return order
+
+
 def measure_all(bench: Bench, gateways: list[Gateway], args) -> dict[str, Any]:
     results: dict[str, Any] = {gw.name: {} for gw in gateways}
     # CPU windows interleaved, so that other load on the machine hits every gateway alike.
     cpu_windows: dict[str, list] = {gw.name: [] for gw in gateways}
-    for _ in range(args.cpu_repeats):
-        for gw in gateways:
-            cpu_windows[gw.name].append(bench.window(gw, args.cpu_rate, args.cpu_s))
+    for gw in cpu_window_order(gateways, args.cpu_repeats):
+        cpu_windows[gw.name].append(bench.window(gw, args.cpu_rate, args.cpu_s))
     for gw in gateways:
         windows = cpu_windows[gw.name]
         num_ok = sum(w["num_ok"] for w in windows)

@@ -99,3 +99,13 @@ def test_cache_refill_times_known_work_and_runs_every_piece():
     assert 0 < r["warm_cpu_us"] <= r["warm_wall_us"] * 1.5
     for name, fn in cache_refill.pieces().items():  # the gateway's own code: they must work
         assert fn(), name
+
+
+def test_cpu_windows_alternate_which_gateway_goes_first():
+    from bench.gateway_overhead import cpu_window_order
+
+    gateways = ["current", "baseline"]
+    order = cpu_window_order(gateways, 4)
+    assert order == ["current", "baseline", "baseline", "current"] * 2
+    firsts = [order[i] for i in range(0, len(order), 2)]
+    assert firsts.count("current") == firsts.count("baseline")
