@@ -60,8 +60,9 @@ def chat(url: str, key: str, **kwargs):
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Until `predicate()` holds (access-log lines and metrics are written in batches, up to
-    0.1 s after a request: gateway/bookkeeping.py)."""
+    """Poll until `predicate()` holds; fail after `timeout_s` (a condition awaited, never a
+    fixed sleep: e.g. access-log lines and metrics, written in batches up to 0.1 s after a
+    request, gateway/bookkeeping.py)."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "timed out"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
@@ -14,15 +13,16 @@ import pytest
 import redis
 
 from tests.gateway.conftest import MAX_MODEL_LEN, SERVED_NAME
-from tests.gateway.edge_util import KEY_ALPHA, KEY_BETA, chat, edge_gateway, hash_prefix, write_keys
+from tests.gateway.edge_util import (
+    KEY_ALPHA,
+    KEY_BETA,
+    chat,
+    edge_gateway,
+    hash_prefix,
+    wait_for,
+    write_keys,
+)
 from tests.redis_server import redis_server  # noqa: F401  (fixture)
-
-
-def _wait_for(predicate, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -74,13 +74,14 @@ def test_tokens_settle_to_actual_usage(limited, redis_server, fake):  # noqa: F8
     with limited({"tokens_per_min": 150}) as (url, state):
         resp = httpx.post(f"{url}/v1/completions", json=body, headers=auth)
         assert resp.json()["usage"]["total_tokens"] == 9
-        _wait_for(lambda: _redis_state(redis_server, state) == (9, 0))  # 104 reserved, 95 freed
+        # 104 reserved, 95 freed.
+        wait_for(lambda: _redis_state(redis_server, state) == (9, 0), timeout_s=5.0)
         # Without settlement 104 + 104 > 150 would be refused.
         assert httpx.post(f"{url}/v1/completions", json=body, headers=auth).status_code == 200
-        _wait_for(lambda: _redis_state(redis_server, state)[0] == 18)
+        wait_for(lambda: _redis_state(redis_server, state)[0] == 18, timeout_s=5.0)
         stream = httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, headers=auth)
         assert stream.status_code == 200
-        _wait_for(lambda: _redis_state(redis_server, state)[0] == 27)
+        wait_for(lambda: _redis_state(redis_server, state)[0] == 27, timeout_s=5.0)
 
 
 def test_slots_are_freed_on_every_exit(limited, redis_server, fake):  # noqa: F811
@@ -97,10 +98,10 @@ def test_slots_are_freed_on_every_exit(limited, redis_server, fake):  # noqa: F8
             with pytest.raises(openai.RateLimitError):  # the one slot is taken
                 chat(url, KEY_ALPHA)
         # Client gone mid-stream: the slot comes back.
-        _wait_for(lambda: _redis_state(redis_server, state)[1] == 0)
+        wait_for(lambda: _redis_state(redis_server, state)[1] == 0, timeout_s=5.0)
         with pytest.raises(httpx.TimeoutException):  # gone while not streamed
             httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=0.3)
-        _wait_for(lambda: _redis_state(redis_server, state)[1] == 0)
+        wait_for(lambda: _redis_state(redis_server, state)[1] == 0, timeout_s=5.0)
         fake.knobs.token_delay_s = 0.0
         fake.knobs.fail_after_tokens = 1  # decode error
         with pytest.raises(openai.InternalServerError):
@@ -108,7 +109,7 @@ def test_slots_are_freed_on_every_exit(limited, redis_server, fake):  # noqa: F8
         fake.knobs.fail_after_tokens, fake.knobs.refuse = None, True  # 503 at admission
         with pytest.raises(openai.APIStatusError, match="busy"):
             chat(url, KEY_ALPHA)
-        _wait_for(lambda: _redis_state(redis_server, state)[1] == 0)
+        wait_for(lambda: _redis_state(redis_server, state)[1] == 0, timeout_s=5.0)
         fake.knobs.refuse = False
         chat(url, KEY_ALPHA)
 
@@ -130,7 +131,7 @@ def test_redis_down_falls_back_to_memory_and_recovers(limited, redis_server):  #
         assert health.json()["quota_backend"] == "memory"
         assert "tandem:degraded 1.0" in httpx.get(metrics_url).text
         redis_server.start()  # back, empty
-        _wait_for(lambda: httpx.get(f"{url}/health").json()["status"] == "ok")
+        wait_for(lambda: httpx.get(f"{url}/health").json()["status"] == "ok", timeout_s=5.0)
         assert httpx.get(f"{url}/health").json()["quota_backend"] == "redis"
         assert "tandem:degraded 0.0" in httpx.get(metrics_url).text
         chat(url, KEY_ALPHA)

@@ -20,7 +20,7 @@ from gateway.config import GatewaySettings
 from gateway.metrics import GatewayMetrics
 from gateway.shedding import MAX_LIMIT, MIN_LIMIT, AdmissionLimit, Shedder
 from tests.gateway.conftest import SERVED_NAME
-from tests.gateway.edge_util import edge_gateway
+from tests.gateway.edge_util import edge_gateway, wait_for
 
 BURST = 40
 _BOUNDS = ("--shed-busy-fraction", "--max-inflight-requests")
@@ -157,13 +157,6 @@ def _metric(text: str, name: str) -> str:
     return next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " "))
 
 
-def _wait_for(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 def _hold_streams(url: str, n: int, stack: contextlib.ExitStack) -> list:
     """n streamed completions, each past its first chunk: admitted and in flight until the
     stack closes. Keep the returned line iterators: dropping one closes its connection."""
@@ -226,7 +219,7 @@ def test_a_burst_past_the_cap_gets_retryable_503s_and_the_gateway_stays_responsi
             for lines in held:  # the admitted streams were not disturbed
                 assert next(line for line in lines if line).startswith("data: ")
         # The held streams are gone (client disconnects): their places come back.
-        _wait_for(lambda: "tandem:requests_in_flight 0.0" in _scrape(state))
+        wait_for(lambda: "tandem:requests_in_flight 0.0" in _scrape(state))
         slow_fake.knobs.token_delay_s = 0.0
         assert httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
 
@@ -259,7 +252,7 @@ def test_the_adaptive_limit_sheds_when_the_process_counts_as_overloaded(
     assert MIN_LIMIT == 4
     settings = dict(decode=[fakes[0][1]], shed_busy_fraction=1e-9, metrics_port=0)
     with edge_gateway(tiny_qwen3_path, model_info, **settings) as (url, state):
-        _wait_for(lambda: f"tandem:admission_limit {MIN_LIMIT}.0" in _scrape(state))
+        wait_for(lambda: f"tandem:admission_limit {MIN_LIMIT}.0" in _scrape(state))
         with contextlib.ExitStack() as stack:
             held = _hold_streams(url, MIN_LIMIT, stack)
             _assert_refused(_burst(url))
@@ -342,7 +335,7 @@ def test_a_loop_busy_with_what_it_admitted_refuses_no_client_of_a_closed_loop(
             held = _hold_streams(url, 6, stack)
             loop.is_loaded = True
             room = int(shedding.HEADROOM * 6) + MIN_LIMIT
-            _wait_for(lambda: f"tandem:admission_limit {room}.0" in _scrape(state))
+            wait_for(lambda: f"tandem:admission_limit {room}.0" in _scrape(state))
             refused = [r for r in _burst(url) if r[0].status_code == 503]
             assert len(refused) >= BURST - (room - 6)
             _assert_refused(refused)

@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
 
 from tests.gateway.conftest import SERVED_NAME
-
-
-def _wait_for(predicate, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+from tests.gateway.edge_util import wait_for
 
 
 def test_client_disconnect_cancels_the_decode_stream(gateway_url, fake):
@@ -30,7 +22,7 @@ def test_client_disconnect_cancels_the_decode_stream(gateway_url, fake):
         for _ in range(3):
             assert next(lines).startswith("data: ")
     # Leaving the block closed the connection mid-stream.
-    _wait_for(lambda: fake.record.cancelled)
+    wait_for(lambda: fake.record.cancelled, timeout_s=5.0)
     assert fake.record.cancelled == [fake.record.requests[0].request_id]
     assert not fake.record.finished
 
@@ -42,7 +34,7 @@ def test_client_disconnect_cancels_a_non_streamed_request(gateway_url, fake):
         httpx.post(f"{gateway_url}/v1/completions", json=body, timeout=0.5)
     except httpx.TimeoutException:
         pass
-    _wait_for(lambda: fake.record.cancelled)
+    wait_for(lambda: fake.record.cancelled, timeout_s=5.0)
     assert not fake.record.finished
 
 
@@ -64,5 +56,5 @@ def test_stop_string_aborts_the_decode(client, fake, llm):
     assert resp.choices[0].finish_reason == "stop"
     rid = fake.record.requests[0].request_id
     # Cancelling the call and the background Abort both reach D.
-    _wait_for(lambda: rid in fake.record.cancelled and rid in fake.record.aborted)
+    wait_for(lambda: rid in fake.record.cancelled and rid in fake.record.aborted, timeout_s=5.0)
     assert not fake.record.finished

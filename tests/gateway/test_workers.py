@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -22,7 +21,7 @@ import pytest
 
 from gateway.__main__ import parse_args
 from tests.gateway.conftest import MAX_MODEL_LEN, SERVED_NAME
-from tests.gateway.edge_util import KEY_ALPHA, KEY_BETA, write_keys
+from tests.gateway.edge_util import KEY_ALPHA, KEY_BETA, wait_for, write_keys
 from tests.redis_server import redis_server  # noqa: F401  (fixture)
 
 QUOTA = 6  # requests per minute for KEY_ALPHA
@@ -33,13 +32,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _wait_for(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 class WorkersGateway:
@@ -112,7 +104,7 @@ def _client_on_each_worker(gw: WorkersGateway) -> dict[str, httpx.Client]:
         auth = {"Authorization": f"Bearer {KEY_BETA}"}
         assert client.post("/v1/chat/completions", json=CHAT, headers=auth).status_code == 200
         num_before = sum(before.values())
-        _wait_for(lambda n=num_before: sum(gw.served().values()) == n + 1)
+        wait_for(lambda n=num_before: sum(gw.served().values()) == n + 1, timeout_s=30.0)
         after = gw.served()
         worker = next(w for w in after if after[w] != before.get(w, 0.0))
         if worker in pinned:
@@ -153,8 +145,8 @@ def test_a_killed_worker_is_replaced_and_sigterm_stops_all(workers):
     gw = workers
     first, second = gw.worker_pids()
     os.kill(first, signal.SIGKILL)
-    _wait_for(lambda: len(gw.worker_pids()) == 2 and first not in gw.worker_pids())
-    _wait_for(lambda: gw.reporting() == {"0", "1"})  # the new worker 0 is ready
+    wait_for(lambda: len(gw.worker_pids()) == 2 and first not in gw.worker_pids(), timeout_s=30.0)
+    wait_for(lambda: gw.reporting() == {"0", "1"}, timeout_s=30.0)  # the new worker 0 is ready
     clients = _client_on_each_worker(gw)  # and both serve
     for client in clients.values():
         client.close()
@@ -172,7 +164,7 @@ def test_a_killed_parent_leaves_no_workers(workers):
     gw.proc.kill()
     gw.proc.wait(timeout=10)
     # PR_SET_PDEATHSIG: each worker gets SIGTERM, drains (nothing open) and exits.
-    _wait_for(lambda: not any(_is_running(pid) for pid in pids))
+    wait_for(lambda: not any(_is_running(pid) for pid in pids), timeout_s=30.0)
 
 
 def _is_running(pid: int) -> bool:
