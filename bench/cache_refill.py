@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make `bench`, `gateway`, `engine` importable
@@ -46,11 +47,8 @@ def pieces() -> dict[str, Callable[[], Any]]:
     from gateway.protocol import ChatCompletionRequest
 
     tokenizer = load_light_tokenizer(resolve_model_path(MODEL))
-
-    class Info:  # the fields of gateway.model_info.ModelInfo that encode_bounded reads
-        max_model_len = 8192
-
-    Info.tokenizer = tokenizer
+    # The fields of gateway.model_info.ModelInfo that encode_bounded reads.
+    info = SimpleNamespace(tokenizer=tokenizer, max_model_len=8192)
     prompt = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     body = json.dumps({"model": "smollm2", "messages": MESSAGES, "max_tokens": 4}).encode()
     small = {"id": "chatcmpl-0", "object": "chat.completion", "choices": [{"index": 0}]}
@@ -59,7 +57,7 @@ def pieces() -> dict[str, Callable[[], Any]]:
         "chat_template": lambda: tokenizer.apply_chat_template(
             MESSAGES, tokenize=False, add_generation_prompt=True
         ),
-        "tokenize": lambda: encode_bounded(Info, prompt, False),
+        "tokenize": lambda: encode_bounded(info, prompt, False),
         "parse_body": lambda: parse_body(ChatCompletionRequest, body, 1000),
     }
 
@@ -104,8 +102,8 @@ def main() -> None:
             r = measure(fn, gap_ms / 1000, args.calls)
             results[name][f"{gap_ms:g}"] = r
             ratio = r["cold_wall_us"] / max(r["warm_wall_us"], 1e-3)
-            rows.append((name, f"{gap_ms:g}", str(r["cold_wall_us"]), str(r["warm_wall_us"])))
-            rows[-1] += (f"{ratio:.1f}x",)
+            cold, warm = str(r["cold_wall_us"]), str(r["warm_wall_us"])
+            rows.append((name, f"{gap_ms:g}", cold, warm, f"{ratio:.1f}x"))
     config = {
         "model": MODEL,
         "calls": args.calls,
