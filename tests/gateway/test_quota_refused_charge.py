@@ -10,8 +10,8 @@ from __future__ import annotations
 import httpx
 
 from tests.gateway.conftest import SERVED_NAME
-from tests.gateway.edge_util import KEY_ALPHA
-from tests.gateway.test_quota_gateway import _redis_state, _wait_for, limited  # noqa: F401
+from tests.gateway.edge_util import KEY_ALPHA, wait_for
+from tests.gateway.test_quota_gateway import _redis_state, limited  # noqa: F401
 from tests.redis_server import redis_server  # noqa: F401  (fixture)
 
 
@@ -23,10 +23,10 @@ def test_refused_requests_are_charged_their_prompt_tokens(limited, redis_server,
         fake.knobs.refuse = True  # every decode is busy: 503 at admission
         resp = httpx.post(f"{url}/v1/completions", json=body, headers=auth)
         assert resp.status_code == 503
-        _wait_for(lambda: _redis_state(redis_server, state) == (32, 0))
+        wait_for(lambda: _redis_state(redis_server, state) == (32, 0), timeout_s=5.0)
         for _ in range(2):
             assert httpx.post(f"{url}/v1/completions", json=body, headers=auth).status_code == 503
-        _wait_for(lambda: _redis_state(redis_server, state)[0] == 96)
+        wait_for(lambda: _redis_state(redis_server, state)[0] == 96, timeout_s=5.0)
         # 96 + 36 reserved > 100: the fourth try is refused by the quota, not sent.
         resp = httpx.post(f"{url}/v1/completions", json=body, headers=auth)
         assert resp.status_code == 429
