@@ -286,6 +286,9 @@ def run_config(config: str, args) -> dict:
                     continue
                 before = route_log.read_text().count("\n") if route_log.exists() else 0
                 results[w] = sweep(model, port, w, args, deadline)
+                # Route-log lines are written in batches, up to 0.1 s after their request
+                # (gateway/bookkeeping.py): let the last batch land.
+                time.sleep(0.5)
                 lines = route_log.read_text().splitlines()[before:] if route_log.exists() else []
                 results[w]["routing"] = route_log_errors(lines)
                 _save(out_dir, config, args.gpus, results)

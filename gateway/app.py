@@ -48,7 +48,7 @@ def build_state(
         registry=registry,
         router=router,
         clients=clients,
-        dispatcher=Dispatcher(router, clients, model.tokenizer),
+        dispatcher=Dispatcher(router, clients, model.tokenizer, edge.bookkeeping.defer),
         token_texts=TokenTexts(model.tokenizer),
         edge=edge,
     )
@@ -85,6 +85,10 @@ def create_app(
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
+        # FastAPI's own OpenTelemetry (0.165+) looks up three providers on every request even
+        # when none is configured (~5 us a request); the gateway exports Prometheus metrics
+        # (docs/operations.md), not OpenTelemetry.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.state.gateway = state
     for module in (chat, completions, models, health):

@@ -18,11 +18,11 @@ makes D abort the request and free its blocks.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -49,6 +49,11 @@ _ERROR_STATUS = {
     common_pb2.Error.INVALID_ARGUMENT: 400,
     common_pb2.Error.RESOURCE_EXHAUSTED: 503,
 }
+Defer = Callable[..., None]  # defer(fn, *args): call fn(*args) now or later (Bookkeeping.defer)
+
+
+def _call_now(fn: Callable[..., Any], *args: Any) -> None:
+    fn(*args)
 
 
 @dataclass
@@ -88,11 +93,13 @@ class ChildStream:
         clients: DecodeClients,
         router: Router,
         ttft_s: float,
+        defer: Defer,
     ):
         self.job, self.state, self.call, self.route = job, state, call, route
         self.decode = route.decode
         self._first = first
         self._clients, self._router, self._ttft_s = clients, router, ttft_s
+        self._defer = defer
         self._is_done = False
         self._wants_prompt_logprobs = job.params.prompt_logprobs is not None
 
@@ -121,8 +128,9 @@ class ChildStream:
                 if kind == "final":
                     self._is_done = True
                     num_prompt_tokens = len(self.job.prompt_token_ids)
-                    self._router.observe(
-                        self.route, self._ttft_s, msg.final.timings, num_prompt_tokens
+                    self._defer(
+                        self._router.observe,
+                        *(self.route, self._ttft_s, msg.final.timings, num_prompt_tokens),
                     )
                     yield self._on_final(msg.final)
                     return
@@ -222,8 +230,17 @@ class ChildStream:
 class Dispatcher:
     """Admits children at decodes chosen by the router and hands back their streams."""
 
-    def __init__(self, router: Router, clients: DecodeClients, tokenizer: PreTrainedTokenizerBase):
+    def __init__(
+        self,
+        router: Router,
+        clients: DecodeClients,
+        tokenizer: PreTrainedTokenizerBase,
+        defer: Defer = _call_now,
+    ):
+        """`defer(fn, *args)` runs what no client waits for, the router's calibration from a
+        finished child: the gateway passes its `Bookkeeping.defer` (batched, up to 0.1 s late)."""
         self.router, self.clients, self.tokenizer = router, clients, tokenizer
+        self.defer = defer
 
     async def start(self, jobs: Sequence[ChildJob], opts: RequestOptions) -> list[ChildStream]:
         """Admit every child (concurrently), or cancel those admitted and raise the error."""
@@ -283,7 +300,7 @@ class Dispatcher:
         (RESOURCE_EXHAUSTED), (None, 0) when unreachable; other failures raise."""
         request = decode_pb2.GenerateRequest(
             request_id=child_id,
-            transfer_id=uuid.uuid4().hex,  # one per attempt: each D owns its own blocks
+            transfer_id=os.urandom(16).hex(),  # one per attempt: each D owns its own blocks
             prompt_token_ids=job.prompt_token_ids,
             params=sampling_params_to_proto(job.params),
             cache_salt=opts.cache_salt,
@@ -330,7 +347,9 @@ class Dispatcher:
         ttft_s = time.monotonic() - started_s
         self.router.report(route.decode, Outcome.OK)
         state = processor.add_request(child_id, job.prompt_token_ids, job.params)
-        stream = ChildStream(job, state, call, first, route, self.clients, self.router, ttft_s)
+        stream = ChildStream(
+            job, state, call, first, route, self.clients, self.router, ttft_s, self.defer
+        )
         return stream, 0
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import uuid
+import os
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -132,7 +132,7 @@ async def create_chat_completion(
     check_stop(body, settings.max_stop_strings)
     cache_salt = resolve_cache_salt(principal, body)
     opts = RequestOptions(
-        f"chatcmpl-{uuid.uuid4().hex}",
+        f"chatcmpl-{os.urandom(16).hex()}",
         cache_salt,
         body.priority,
         settings.retry_after_s,

@@ -4,7 +4,7 @@ tasks read)."""
 
 from __future__ import annotations
 
-import uuid
+import os
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -142,7 +142,7 @@ async def create_completion(request: Request, gw: GatewayDep, principal: Princip
     check_stop(body, settings.max_stop_strings)
     cache_salt = resolve_cache_salt(principal, body)
     opts = RequestOptions(
-        f"cmpl-{uuid.uuid4().hex}", cache_salt, body.priority, settings.retry_after_s
+        f"cmpl-{os.urandom(16).hex()}", cache_salt, body.priority, settings.retry_after_s
     )
     num_logprobs = body.num_logprobs()
 
