@@ -337,3 +337,51 @@ def test_output_stream_keeps_order_wakes_its_reader_and_survives_a_cancelled_get
         assert await asyncio.wait_for(q.get(), DEADLINE_S) == "c"
 
     asyncio.run(run())
+
+
+class FirstTokenLastCore(FakeCore):
+    """Two requests: "old" gets a token alone; then one step gives "old" its second token and
+    "new" its first, listed last as the engine lists a step's prompts after its decodes."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids: list[str] = []
+        self.old_has_a_token = threading.Event()  # set by old's reader
+
+    def has_unfinished_requests(self) -> bool:
+        return len(self.ids) == 2
+
+    def add_request(self, request) -> None:
+        self.ids.append(request.request_id)
+
+    def step(self) -> list[EngineCoreOutput]:
+        self.num_steps += 1
+        if self.num_steps == 1:
+            return [EngineCoreOutput("old", new_token_ids=[1])]
+        assert self.old_has_a_token.wait(DEADLINE_S)
+        self.ids = []
+        return [
+            EngineCoreOutput("old", new_token_ids=[2], finish_reason="length"),
+            EngineCoreOutput("new", new_token_ids=[10], finish_reason="length"),
+        ]
+
+
+def test_a_first_token_reaches_its_reader_before_the_steps_other_tokens():
+    core = FirstTokenLastCore()
+    engine = AsyncEngine(core, idle_wait_s=0.001)
+    seen: list[tuple[str, int]] = []  # (request, token) in the order the readers woke
+
+    async def run() -> None:
+        async def one(rid: str) -> None:
+            async for out in engine.generate(SimpleNamespace(request_id=rid)):
+                seen.extend((rid, t) for t in out.new_token_ids)
+                if rid == "old":
+                    core.old_has_a_token.set()
+
+        await asyncio.gather(one("old"), one("new"))
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), DEADLINE_S))
+        assert seen == [("old", 1), ("new", 10), ("old", 2)]
+    finally:
+        engine.shutdown()
