@@ -64,13 +64,13 @@ class OutputStream:
         # steps as one item (see `generate`) still counts and times each step, as vLLM's
         # engine-timestamped iteration stats do.
         self.observe_itl = observe_itl
-        self.last_token_time: float | None = None  # None: no token yet (see `_dispatch`)
+        self.last_token_time: float | None = None
 
     def put_step(self, item: EngineCoreOutput, step_time: float) -> None:
         """`item`, one engine step's output for this request, produced at `step_time`."""
-        if item.new_token_ids:
+        if item.new_token_ids and self.observe_itl is not None:
             last = self.last_token_time
-            if last is not None and self.observe_itl is not None:
+            if last is not None:
                 self.observe_itl(step_time - last)
             self.last_token_time = step_time
         self.put_nowait(item)
@@ -278,15 +278,8 @@ class AsyncEngine:
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
         """A step's outputs to their streams: one hand-off per event loop per step, not one per
         request (each `call_soon_threadsafe` wakes the loop through its self-pipe and takes the
-        GIL from the loop: 256 of them cost ~3 ms per step on the engine thread).
-
-        First tokens go first. The engine lists a step's decodes before its prompts, so a new
-        request's first token would come last; every hop after this one (this event loop, the
-        frame to the gateway, the gateway's loop, the client's) handles a step's tokens in
-        order, and at 64 streams each hop spends milliseconds on the others' tokens. Each
-        request's own outputs keep their order."""
+        GIL from the loop: 256 of them cost ~3 ms per step on the engine thread)."""
         batches: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, Any]]] = {}
-        with_first: set[asyncio.AbstractEventLoop] = set()
         streams = self._streams
         now = time.monotonic()
         for out in outputs:
@@ -297,11 +290,7 @@ class AsyncEngine:
                 if batch is None:
                     batch = batches[loop] = []
                 batch.append((q, out))
-                if q.last_token_time is None and out.new_token_ids:
-                    with_first.add(loop)
         for loop, batch in batches.items():
-            if loop in with_first:
-                batch.sort(key=_has_had_a_token)  # stable: False (first tokens) ahead
             loop.call_soon_threadsafe(_put_all, batch, now)
 
 
@@ -310,12 +299,6 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: A
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # that event loop is closed: nobody is waiting there any more
         logger.debug("event loop closed; dropped %r", fn)
-
-
-def _has_had_a_token(item: tuple[OutputStream, Any]) -> bool:
-    # Set on the event loop by `put_step`: a stream whose first token is still in an earlier
-    # hand-off reads as new once more, which only moves it ahead again.
-    return item[0].last_token_time is not None
 
 
 def _put_all(batch: list[tuple[OutputStream, Any]], step_time: float) -> None:
