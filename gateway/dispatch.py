@@ -93,7 +93,7 @@ class ChildStream:
         clients: DecodeClients,
         router: Router,
         ttft_s: float,
-        defer: Defer,
+        defer: Defer = _call_now,
     ):
         self.job, self.state, self.call, self.route = job, state, call, route
         self.decode = route.decode
