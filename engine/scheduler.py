@@ -300,7 +300,14 @@ class Scheduler:
         waiting requests that fit in the free `max_num_seqs` slots. Requests queued beyond
         those slots cannot start however large the budget, so they do not count: counting
         them would hold the budget at `max_num_batched_tokens` for as long as an overload
-        lasts, every step a long prefill chunk the decodes wait behind."""
+        lasts, every step a long prefill chunk the decodes wait behind.
+
+        The steps scale with the free fraction of the slots (at least one). In a steady state the
+        prompts admitted per step equal the requests finishing, and with a fixed number of steps
+        that takes a waiting queue proportional to the running batch: at 256 closed-loop
+        streams, ~57 waited while ~79 slots were free (bench/README.md, 2026-12-07). With fewer
+        steps as the batch fills, that queue shrinks and the batch runs nearer `max_num_seqs`;
+        with most slots free (light load, bursts into an idle engine) the rule is unchanged."""
         config = self.config
         if not config.prefill_backlog_steps:
             return config.max_prefill_tokens_while_decoding
@@ -308,7 +315,8 @@ class Scheduler:
         backlog = self.waiting.num_prompt_tokens_left(free_slots) + sum(
             r.num_prompt_tokens_left for r in self.running
         )
-        share = -(-backlog // config.prefill_backlog_steps)
+        steps = max(1, -(-config.prefill_backlog_steps * free_slots // config.max_num_seqs))
+        share = -(-backlog // steps)
         return max(
             config.max_prefill_tokens_while_decoding, min(share, config.max_num_batched_tokens)
         )

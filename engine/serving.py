@@ -44,10 +44,10 @@ logger = logging.getLogger(__name__)
 READY_STALL_S = 30.0
 MAX_PROMPT_TOKENS_HARD_CAP = 1 << 20  # reject absurd token lists before touching them
 # A served engine's prompt tokens in a step that also decodes, and the backlog rule with it:
-# measured on an H100 (Qwen3-8B, 512 in / 128 out, bench/README.md, 2026-12-06) at 64 streams
-# ITL p99 2.2-2.3x its p50 (uncapped 8,192-token steps: 12x and more), at 256 streams 0.96 of
-# the offline engine's output rate, at 512 streams 0.95 with no errors. The offline `LLM`
-# keeps whole-budget steps (EngineConfig's 0): nobody waits for its tokens.
+# measured on an H100 (Qwen3-8B, 512 in / 128 out, bench/README.md, 2026-12-07) at 64 streams
+# ITL p99 2.3x its p50 (uncapped 8,192-token steps: 12x and more), at 256 streams 0.96 of the
+# offline engine's output rate (the backlog steps scaled by the free slots; 0.92 unscaled). The
+# offline `LLM` keeps whole-budget steps (EngineConfig's 0): nobody waits for its tokens.
 DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING = 512
 DEFAULT_PREFILL_BACKLOG_STEPS = 32
 
@@ -134,7 +134,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="with --max-prefill-tokens-while-decoding: raise that cap to 1/N of the prompt "
         "tokens that could start now (running requests' and those of the waiting ones the free "
         "--max-num-seqs slots admit; up to --max-num-batched-tokens), so that a backlog clears "
-        f"in about N steps (default {DEFAULT_PREFILL_BACKLOG_STEPS} with a cap, 0 without); 0 "
+        "in about N steps, N scaled by the free fraction of the slots (at least 1) "
+        f"(default {DEFAULT_PREFILL_BACKLOG_STEPS} with a cap, 0 without); 0 "
         "keeps the cap fixed (throughput then stays at the rate it admits prompts)",
     )
     parser.add_argument(
