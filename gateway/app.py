@@ -71,6 +71,9 @@ def create_app(
         shedder.start()
         yield
         shedder.close()
+        # What the last requests deferred (the router's calibration and route log among it)
+        # runs before the router closes its route log.
+        state.edge.bookkeeping.flush()
         await state.router.close()
         await state.registry.close()
         await state.edge.close()

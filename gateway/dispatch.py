@@ -128,10 +128,9 @@ class ChildStream:
                 if kind == "final":
                     self._is_done = True
                     num_prompt_tokens = len(self.job.prompt_token_ids)
-                    self._defer(
-                        self._router.observe,
-                        *(self.route, self._ttft_s, msg.final.timings, num_prompt_tokens),
-                    )
+                    timings = msg.final.timings
+                    observe = self._router.observe
+                    self._defer(observe, self.route, self._ttft_s, timings, num_prompt_tokens)
                     yield self._on_final(msg.final)
                     return
                 elif kind == "error":

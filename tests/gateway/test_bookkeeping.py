@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from types import SimpleNamespace
@@ -142,3 +143,20 @@ def test_a_gateway_that_stops_writes_what_it_held(tiny_qwen3_path, model_info, f
         lines = [r.getMessage() for r in caplog.records if r.name == "gateway.access"]
     assert len(lines) == 1 and lines[0].startswith("POST /v1/chat/completions 200 ")
     assert lines[0].endswith("tenant=alpha")
+
+
+def test_a_gateway_that_stops_writes_its_route_log_before_closing_it(
+    tiny_qwen3_path, model_info, fakes, tmp_path
+):
+    """The router's observation of a finished request is deferred too; the shutdown runs it
+    before the router closes its `--route-log`, so the last request keeps its line."""
+    log = tmp_path / "routes.jsonl"
+    with edge_gateway(tiny_qwen3_path, model_info, decode=[fakes[0][1]], route_log=str(log)) as (
+        url,
+        state,
+    ):
+        state.edge.bookkeeping.interval_s = 3600.0  # only the shutdown can write it
+        chat(url, KEY_ALPHA)
+        assert log.read_text() == ""
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert len(lines) == 1 and lines[0]["measured_ttft_s"] > 0
