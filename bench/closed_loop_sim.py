@@ -130,15 +130,15 @@ class SimScheduler(Scheduler):
     extra_min_waiting = 2
     _last_extra = -(10**9)
 
-    def _prefill_budget_while_decoding(self) -> int:
-        budget = super()._prefill_budget_while_decoding()
+    def _prefill_budget_while_decoding(self) -> tuple[int, int]:
+        budget, chunk = super()._prefill_budget_while_decoding()
         if not self.extra_every or self.num_steps - self._last_extra < self.extra_every:
-            return budget
+            return budget, chunk
         free_slots = max(self.config.max_num_seqs - len(self.running), 0)
         if min(len(self.waiting), free_slots) < self.extra_min_waiting:
-            return budget
+            return budget, chunk
         self._last_extra = self.num_steps
-        return budget + self.config.max_prefill_tokens_while_decoding
+        return budget + self.config.max_prefill_tokens_while_decoding, chunk
 
 
 @dataclass

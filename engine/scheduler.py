@@ -202,11 +202,11 @@ class Scheduler:
         cap = self.config.long_prefill_token_threshold or budget
         # Prompt tokens this step may still take (all requests together): capped while any
         # running request decodes, so that its next token waits for at most this much prefill.
-        prefill_budget = budget
+        prefill_budget = prefill_chunk = budget  # all requests' prompt tokens; one request's
         if self.config.max_prefill_tokens_while_decoding and any(
             r.num_computed_tokens >= r.num_prompt_tokens for r in self.running
         ):
-            prefill_budget = self._prefill_budget_while_decoding()
+            prefill_budget, prefill_chunk = self._prefill_budget_while_decoding()
         scheduled_ids: set[str] = set()
 
         for request in list(self.running):
@@ -223,7 +223,7 @@ class Scheduler:
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
             prefilling = request.num_computed_tokens < request.num_prompt_tokens
             if prefilling:
-                num_new = min(num_new, prefill_budget)
+                num_new = min(num_new, prefill_budget, prefill_chunk)
                 if num_new == 0:
                     continue
             drafts = self._drafts(request, min(budget, cap)) if num_new == 1 else []
@@ -268,7 +268,7 @@ class Scheduler:
             if is_prompt:  # within the step's prefill budget
                 if prefill_budget == 0:
                     break
-                num_new = min(num_new, prefill_budget)
+                num_new = min(num_new, prefill_budget, prefill_chunk)
             num_new = min(num_new, budget, cap)
             if not self.kv.allocate_slots(request, num_new, hit_blocks):
                 break
@@ -292,34 +292,42 @@ class Scheduler:
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return out
 
-    def _prefill_budget_while_decoding(self) -> int:
-        """`max_prefill_tokens_while_decoding`, raised to 1/`prefill_backlog_steps` of the
-        prompt tokens that could run now (before prefix hits), up to the step's whole budget:
-        a backlog clears in about that many steps instead of at a fixed rate the arrivals
-        outrun. What could run now: the running requests' prompts still to compute, and the
-        waiting requests that fit in the free `max_num_seqs` slots. Requests queued beyond
-        those slots cannot start however large the budget, so they do not count: counting
-        them would hold the budget at `max_num_batched_tokens` for as long as an overload
-        lasts, every step a long prefill chunk the decodes wait behind.
+    def _prefill_budget_while_decoding(self) -> tuple[int, int]:
+        """(prompt tokens of all requests together, of any one request) in a step that also
+        decodes. All together: `max_prefill_tokens_while_decoding`, raised to
+        1/`prefill_backlog_steps` of the prompt tokens that could run now (before prefix hits),
+        up to the step's whole budget: a backlog clears in about that many steps instead of at a
+        fixed rate the arrivals outrun. What could run now: the running requests' prompts still
+        to compute, and the waiting requests that fit in the free `max_num_seqs` slots.
+        Requests queued beyond those slots cannot start however large the budget, so they do
+        not count: counting them would hold the budget at `max_num_batched_tokens` for as long
+        as an overload lasts, every step a long prefill chunk the decodes wait behind.
 
         The steps scale with the free fraction of the slots (at least one). In a steady state the
         prompts admitted per step equal the requests finishing, and with a fixed number of steps
         that takes a waiting queue proportional to the running batch: at 256 closed-loop
         streams, ~57 waited while ~79 slots were free (bench/README.md, 2026-12-07). With fewer
         steps as the batch fills, that queue shrinks and the batch runs nearer `max_num_seqs`;
-        with most slots free (light load, bursts into an idle engine) the rule is unchanged."""
+        with most slots free (light load, bursts into an idle engine) the rule is unchanged.
+
+        One request: no more than the unscaled rule gives all of them. So the scaled budget
+        starts more prompts in a step, never a longer chunk of one: a long prompt admitted
+        into a nearly full batch is spread over steps as before, instead of one step of up to
+        `max_num_batched_tokens` that every decode waits behind."""
         config = self.config
+        cap = config.max_prefill_tokens_while_decoding
         if not config.prefill_backlog_steps:
-            return config.max_prefill_tokens_while_decoding
+            return cap, cap
         free_slots = max(config.max_num_seqs - len(self.running), 0)
         backlog = self.waiting.num_prompt_tokens_left(free_slots) + sum(
             r.num_prompt_tokens_left for r in self.running
         )
         steps = max(1, -(-config.prefill_backlog_steps * free_slots // config.max_num_seqs))
-        share = -(-backlog // steps)
-        return max(
-            config.max_prefill_tokens_while_decoding, min(share, config.max_num_batched_tokens)
-        )
+
+        def share(num_steps: int) -> int:
+            return max(cap, min(-(-backlog // num_steps), config.max_num_batched_tokens))
+
+        return share(steps), share(config.prefill_backlog_steps)
 
     def _drafts(self, request: Request, max_num_new: int) -> list[int]:
         """Draft tokens for a decoding request, their slots allocated; [] when there is no

@@ -176,15 +176,15 @@ def test_the_budget_while_decoding_follows_the_backlog(tiny_llama_path):
 
 
 def test_the_backlog_counts_only_what_the_free_seq_slots_can_start(tiny_llama_path):
-    """max_num_seqs 3: while "first" decodes, two slots are free, so of the four 200-token
-    prompts waiting only "a" and "b" count (400 tokens); counting all 800 would start both in
-    the first step. The backlog steps scale with the free fraction of the slots: 2 x 2/3 -> 2
-    steps (a's 200 tokens), then, with one slot left, 2 x 1/3 -> 1 step (b's 200 at once,
-    where a fixed 2 steps would take 100 and 100)."""
+    """max_num_seqs 2: while "first" decodes, one slot is free, so of the four 200-token prompts
+    waiting only "a" counts. Its prompt takes half of what is left each step (never under the
+    cap of 32); counting all 800 waiting tokens would take it in one step of 200. With one slot
+    free of two the backlog steps scale to 1, but one request's chunk stays what the unscaled
+    rule gives: a long prompt into a nearly full batch is spread as before."""
     llm = LLM(
         str(tiny_llama_path),
         max_model_len=512,
-        max_num_seqs=3,
+        max_num_seqs=2,
         max_num_batched_tokens=256,
         max_prefill_tokens_while_decoding=32,
         prefill_backlog_steps=2,
@@ -193,8 +193,32 @@ def test_the_backlog_counts_only_what_the_free_seq_slots_can_start(tiny_llama_pa
     lengths = {rid: 200 for rid in "abcd"}
     steps, outputs, prompts, first = one_decoding_then(llm, 60, seed=3, only=lengths)
     while_first_decodes = [s for s in steps[1:] if s.get("first") == 1]
-    prompt_chunks = [{r: n for r, n in s.items() if n > 1} for s in while_first_decodes[:3]]
-    assert prompt_chunks == [{"a": 200}, {"b": 200}, {}], prompt_chunks  # then no slot is free
+    assert [s.get("a") for s in while_first_decodes[:5]] == [100, 50, 32, 18, 1]
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == hf_greedy(tiny_llama_path, prompt, 12), rid
+    assert outputs["first"] == hf_greedy(tiny_llama_path, first, 12)
+
+
+def test_with_few_free_slots_a_step_starts_more_prompts_not_longer_chunks(tiny_llama_path):
+    """max_num_seqs 4, backlog steps 2, four 40-token prompts: while "first" decodes, three
+    slots are free, so "a", "b" and "c" count (120 tokens) over ceil(2 x 3/4) = 2 steps: 60
+    tokens, "a" whole and 20 of "b" (counting "d" too would give 80). Then one slot is free:
+    b's 20 and c's 40 over ceil(2 x 1/4) = 1 step, all 60 together, yet c alone takes no more
+    than the unscaled rule's 30. A fixed 2 steps would give 30 in all (b 20, c 10)."""
+    llm = LLM(
+        str(tiny_llama_path),
+        max_model_len=512,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        max_prefill_tokens_while_decoding=16,
+        prefill_backlog_steps=2,
+        async_scheduling=False,
+    )
+    lengths = {rid: 40 for rid in "abcd"}
+    steps, outputs, prompts, first = one_decoding_then(llm, 60, seed=4, only=lengths)
+    while_first_decodes = [s for s in steps[1:] if s.get("first") == 1]
+    chunks = [{r: n for r, n in s.items() if n > 1} for s in while_first_decodes[:4]]
+    assert chunks == [{"a": 40, "b": 20}, {"b": 20, "c": 30}, {"c": 10}, {}], chunks
     for rid, prompt in prompts.items():
         assert outputs[rid] == hf_greedy(tiny_llama_path, prompt, 12), rid
     assert outputs["first"] == hf_greedy(tiny_llama_path, first, 12)
