@@ -220,6 +220,9 @@ class KVRouter(Router):
                 "num_prompt_tokens": num_prompt_tokens,
                 "predicted_ttft_s": round(route.predicted_ttft_s, 5),
                 "measured_ttft_s": round(ttft_s, 5),
+                # D's own: its handler's start to its first token (the rest of measured_ttft_s
+                # is the way there and back: transport and both event loops).
+                "decode_ttft_s": round(timings.prefill_s, 5),
                 "kv_transfer_bytes": timings.kv_transfer_bytes,
                 "kv_transfer_s": round(timings.kv_transfer_s, 5),
                 "remote_compute_s": round(timings.remote_compute_s, 5),

@@ -63,4 +63,5 @@ def test_kv_both_decodes_prefill_for_each_other(dep, tiny_llama_path):
         assert x["planned"] == "remote" and x["decode"] in ids and x["prefill"] in ids
         assert x["prefill"] != x["decode"]
         assert x["predicted_ttft_s"] > 0 and x["measured_ttft_s"] > 0
+        assert 0 < x["decode_ttft_s"] <= x["measured_ttft_s"]  # D's part of the gateway's
         assert x["kv_transfer_bytes"] > 0
