@@ -193,6 +193,22 @@ def count_by_layer(before: dict, after: dict) -> dict:
     return {name: int(n) for name, n in counts.items() if n > 0}
 
 
+def route_ttft_split_ms(lines: list[str], skip: int) -> dict:
+    """Medians (ms) over a point's route-log lines past the first `skip` (the closed loop's
+    first waves, in the order requests finished) of the gateway's TTFT for its call (its call to
+    the decode -> first token), the decode's own part of it (`decode_ttft_s`) and the rest: the
+    way there and back, transport and both event loops."""
+    rows = [json.loads(x) for x in lines[skip:] if x.strip()]
+    if not rows:
+        return {}
+    return {
+        "requests": len(rows),
+        "gateway_call": 1e3 * statistics.median(r["measured_ttft_s"] for r in rows),
+        "decode": 1e3 * statistics.median(r["decode_ttft_s"] for r in rows),
+        "transit": 1e3 * statistics.median(r["measured_ttft_s"] - r["decode_ttft_s"] for r in rows),
+    }
+
+
 def gateway_pid(serve: subprocess.Popen) -> int | None:
     """The gateway process of a `tandem serve` (its process group; `tandem.cli gateway`)."""
     for entry in Path("/proc").iterdir():
@@ -423,11 +439,21 @@ def main() -> None:
             trace_dir = Path(tmp) / f"trace-{mode}"
             windows: dict[str, tuple[float, float]] = {}  # each point's span, for its steps
             cache = Path(tmp) / f"triton-{mode}" if args.cold_triton_cache else None
+            route_log = Path(tmp) / f"routes-{mode}.jsonl"
+            route_log.touch()
             proc, log = start_serve(
                 path,
                 num_prefill,
                 port,
-                [*flags, "--num-prefill", str(num_prefill), "--metrics-port", "0"],
+                [
+                    *flags,
+                    "--num-prefill",
+                    str(num_prefill),
+                    "--metrics-port",
+                    "0",
+                    "--route-log",
+                    str(route_log),
+                ],  # fmt: skip
                 trace_dir,
                 Path(tmp) / f"stacks-{mode}" if args.stack_samples else None,
                 cache,
@@ -445,10 +471,15 @@ def main() -> None:
                 for seed, c in enumerate(map(int, concurrencies.split(","))):
                     cpu0 = process_cpu_s(gw) if gw else float("nan")
                     hist0 = histogram_totals(urls)
+                    routes0 = len(route_log.read_text().splitlines())
                     t0 = time.perf_counter()
                     r = bench_point(path, port, c, args.num_prompts, out_dir, label, seed)
                     windows[str(c)] = (t0, time.perf_counter())
                     p = modes[mode][str(c)] = point_figures(r, offline)
+                    # Route-log lines land in batches up to 0.1 s after their requests.
+                    time.sleep(0.5)
+                    routes = route_log.read_text().splitlines()[routes0:]
+                    p["route_ttft_p50_ms_past_first"] = route_ttft_split_ms(routes, 2 * c)
                     hist1 = histogram_totals(urls)
                     p["ttft_mean_ms_by_layer"] = mean_ms_by_layer(
                         hist0[TTFT], hist1[TTFT], r["mean_ttft_ms"]

@@ -3,6 +3,7 @@ layer's mean TTFT over a point from two scrapes, and the one-line step summary."
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -133,3 +134,15 @@ def test_kernels_built_since_names_what_triton_compiled(tmp_path):
     assert serve_gpu.kernels_built_since(tmp_path, set()) == [
         "_rms_norm_kernel", "_silu_and_mul_kernel"
     ]  # fmt: skip
+
+
+def test_route_log_split_past_the_first_waves():
+    """The medians skip the first lines (the closed loop's first waves); the transit is each
+    request's gateway TTFT less the decode's own, then the median."""
+    rows = [(9.0, 1.0)] * 4 + [(0.030, 0.020), (0.050, 0.045), (0.040, 0.025)]
+    lines = [json.dumps({"measured_ttft_s": g, "decode_ttft_s": d}) for g, d in rows]
+    got = serve_gpu.route_ttft_split_ms(lines, skip=4)
+    assert got == pytest.approx(
+        {"requests": 3, "gateway_call": 40.0, "decode": 25.0, "transit": 10.0}
+    )
+    assert serve_gpu.route_ttft_split_ms(lines[:4], skip=4) == {}
