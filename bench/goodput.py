@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 from bench.common import RESULTS_DIR, print_table, today, write_result
-from bench.serve_gpu import start_serve, stop_serve
+from bench.serve_gpu import route_lines_after, start_serve, stop_serve
 
 SLO_TPOT_MS = 30.0
 ATTAINMENT = 0.9
@@ -286,10 +286,8 @@ def run_config(config: str, args) -> dict:
                     continue
                 before = route_log.read_text().count("\n") if route_log.exists() else 0
                 results[w] = sweep(model, port, w, args, deadline)
-                # Route-log lines are written in batches, up to 0.1 s after their request
-                # (gateway/bookkeeping.py): let the last batch land.
-                time.sleep(0.5)
-                lines = route_log.read_text().splitlines()[before:] if route_log.exists() else []
+                completed = sum(p["completed"] for p in results[w]["points"])
+                lines = route_lines_after(route_log, before, completed)
                 results[w]["routing"] = route_log_errors(lines)
                 _save(out_dir, config, args.gpus, results)
         finally:

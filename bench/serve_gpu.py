@@ -193,6 +193,18 @@ def count_by_layer(before: dict, after: dict) -> dict:
     return {name: int(n) for name, n in counts.items() if n > 0}
 
 
+def route_lines_after(path: Path, start: int, expected: int, timeout_s: float = 5.0) -> list[str]:
+    """The route log's lines past its first `start`, once `expected` of them are there (they land
+    in batches up to 0.1 s after their requests, gateway/bookkeeping.py), or what is there after
+    `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = path.read_text().splitlines()[start:] if path.exists() else []
+        if len(lines) >= expected or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.02)
+
+
 def route_ttft_split_ms(lines: list[str], skip: int) -> dict:
     """Medians (ms) over a point's route-log lines past the first `skip` (the closed loop's
     first waves, in the order requests finished) of the gateway's TTFT for its call (its call to
@@ -445,15 +457,8 @@ def main() -> None:
                 path,
                 num_prefill,
                 port,
-                [
-                    *flags,
-                    "--num-prefill",
-                    str(num_prefill),
-                    "--metrics-port",
-                    "0",
-                    "--route-log",
-                    str(route_log),
-                ],  # fmt: skip
+                [*flags, "--num-prefill", str(num_prefill), "--metrics-port", "0"]
+                + ["--route-log", str(route_log)],
                 trace_dir,
                 Path(tmp) / f"stacks-{mode}" if args.stack_samples else None,
                 cache,
@@ -476,9 +481,7 @@ def main() -> None:
                     r = bench_point(path, port, c, args.num_prompts, out_dir, label, seed)
                     windows[str(c)] = (t0, time.perf_counter())
                     p = modes[mode][str(c)] = point_figures(r, offline)
-                    # Route-log lines land in batches up to 0.1 s after their requests.
-                    time.sleep(0.5)
-                    routes = route_log.read_text().splitlines()[routes0:]
+                    routes = route_lines_after(route_log, routes0, r["completed"])
                     p["route_ttft_p50_ms_past_first"] = route_ttft_split_ms(routes, 2 * c)
                     hist1 = histogram_totals(urls)
                     p["ttft_mean_ms_by_layer"] = mean_ms_by_layer(

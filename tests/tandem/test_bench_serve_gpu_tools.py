@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,17 @@ def test_route_log_split_past_the_first_waves():
         {"requests": 3, "gateway_call": 40.0, "decode": 25.0, "transit": 10.0}
     )
     assert serve_gpu.route_ttft_split_ms(lines[:4], skip=4) == {}
+
+
+def test_route_lines_wait_for_the_batch_that_lands_late(tmp_path):
+    """Lines written after the call starts (the gateway's batch) are waited for; with fewer
+    than expected it returns what is there once its time is up."""
+    log = tmp_path / "routes.jsonl"
+    log.write_text("old\n")
+    writer = threading.Timer(0.2, lambda: log.write_text("old\na\nb\n"))
+    writer.start()
+    try:
+        assert serve_gpu.route_lines_after(log, 1, 2) == ["a", "b"]
+    finally:
+        writer.join()
+    assert serve_gpu.route_lines_after(log, 1, 3, timeout_s=0.05) == ["a", "b"]
