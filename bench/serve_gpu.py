@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import signal
 import statistics
@@ -309,12 +308,6 @@ def kernels_built_since(cache: Path, before: set[str]) -> list[str]:
     return sorted(names)
 
 
-def children_cpu_s() -> float:
-    """CPU seconds (user + system) of this process's waited-for children so far."""
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
 def bench_point(
     path: Path, port: int, concurrency: int, n: int, out_dir: Path, label: str, seed: int
 ):
@@ -333,18 +326,13 @@ def bench_point(
         "--save-detailed", *BENCH_FLAGS,
     ]  # fmt: skip
     t = time.monotonic()
-    cpu0 = children_cpu_s()
     subprocess.run(cmd, check=True, timeout=POINT_TIMEOUT_S, capture_output=True, text=True)
-    client_cpu_s = children_cpu_s() - cpu0
     print(f"{label} c={concurrency}: {time.monotonic() - t:.0f} s", flush=True)
     # Per-request TTFTs and latencies kept (in request order: waves show as a period of
     # `concurrency`); the token gaps and texts dropped (megabytes per point).
     result = json.loads((out_dir / name).read_text())
     for key in ("itls", "generated_texts"):
         result.pop(key, None)
-    # The client's own CPU (one process, one event loop, as vLLM's): near 1, its loop's lag
-    # shows in every latency it measures. Its start-up (imports, tokenizer) is counted too.
-    result["client_cpu_s"] = client_cpu_s
     (out_dir / name).write_text(json.dumps(result) + "\n")
     return result
 
@@ -516,6 +504,8 @@ def main() -> None:
                     # The gateway's CPU over the point (its one process: busy near 1 = saturated)
                     gw_cpu_s = (process_cpu_s(gw) if gw else float("nan")) - cpu0
                     p["gateway_cpu_fraction"] = gw_cpu_s / r["duration"]
+                    # The client's (one process, one event loop, as vLLM's) over its run: near
+                    # 1, its loop's lag is in every latency it measured.
                     p["client_cpu_fraction"] = r["client_cpu_s"] / r["duration"]
                     num_tokens = max(r["total_output_tokens"], 1)
                     p["gateway_cpu_us_per_token"] = 1e6 * gw_cpu_s / num_tokens

@@ -89,9 +89,11 @@ async def run_benchmark(args, *, clock: Clock = time.perf_counter, session=None)
     for point in load_points(args):
         pbar = None if args.disable_tqdm else _progress(len(requests))
         on_done = None if pbar is None else (lambda _out, bar=pbar: bar.update(1))
+        cpu_start_s = time.process_time()
         outputs, duration_s = await run_load(
             target, requests, point, seed=args.seed, on_done=on_done, **kw
         )
+        client_cpu_s = time.process_time() - cpu_start_s
         if pbar is not None:
             pbar.close()
         result = {
@@ -101,6 +103,9 @@ async def run_benchmark(args, *, clock: Clock = time.perf_counter, session=None)
         } | calculate_metrics(
             requests, outputs, duration_s, tokenizer, percentiles, metrics, goodput_ms
         )
+        # This process's own CPU over the point (all its threads): near `duration`, its one
+        # event loop was saturated and its lag is in every latency above. Not a vLLM field.
+        result["client_cpu_s"] = client_cpu_s
         print_result(result, metrics, percentiles, bool(goodput_ms))
         points.append(result)
 

@@ -275,6 +275,7 @@ def test_cli_sweep_against_a_stub_http_server(tmp_path, tiny_qwen3_path):
         ttfts = [t for t, e in zip(point["ttfts"], point["errors"]) if not e]
         assert min(ttfts) >= 0.05 and point["median_ttft_ms"] < 500  # real time: loose above
         assert point["mean_e2el_ms"] >= 100 and 5 <= point["median_itl_ms"] < 200
+        assert point["client_cpu_s"] > 0  # the client's own CPU over the point
     for name in ("r-cdf.png", "r-load.png"):
         png = (tmp_path / "out" / name).read_bytes()
         assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
