@@ -31,14 +31,22 @@ from tandem.benchmark.runner import LoadPoint, Target, run_load
 
 
 def load_tokenizer(name: str):
-    from engine.tokenizer import load_tokenizer as load
+    """The light tokenizer (the gateway's: no transformers import, ~5 s less before the first
+    request), else transformers' own for a folder it cannot reproduce."""
+    from engine.light_tokenizer import UnsupportedTokenizer
+    from engine.tokenizer_files import load_light_tokenizer
 
     path = Path(name).expanduser()
     if not path.is_dir():
         from engine.weights import resolve_model_path
 
         path = resolve_model_path(name)
-    return load(path)
+    try:
+        return load_light_tokenizer(path)
+    except UnsupportedTokenizer:
+        from engine.tokenizer import load_tokenizer as load
+
+        return load(path)
 
 
 class NotReadyError(RuntimeError):

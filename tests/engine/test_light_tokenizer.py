@@ -196,6 +196,16 @@ def test_encode_decode_match(pair, text):
         assert light.convert_ids_to_tokens(token_id) == ref.convert_ids_to_tokens(token_id)
 
 
+def test_batch_decode_matches(pair):
+    ref, light = pair
+    specials = ref.all_special_ids
+    sequences = [specials + ref.encode(text) + specials for text in CORPUS] + [[], [3]]
+    for skip in (True, False):
+        for clean_up in (None, True, False):
+            kw = {"skip_special_tokens": skip, "clean_up_tokenization_spaces": clean_up}
+            assert light.batch_decode(sequences, **kw) == ref.batch_decode(sequences, **kw)
+
+
 def test_out_of_vocabulary_ids_match(pair):
     ref, light = pair
     ids = [len(ref) + 5, 3, len(ref) + 100]

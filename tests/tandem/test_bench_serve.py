@@ -11,16 +11,20 @@ import numpy as np
 import pytest
 
 from engine.lifeline import child_env
+from engine.light_tokenizer import LightTokenizer
 from engine.tokenizer import load_tokenizer
 from tandem.benchmark.datasets import (
     SampleRequest,
+    _decode_to_len,
     custom_rows,
     file_requests,
     random_requests,
+    roundtrip_tokens,
     sharegpt_rows,
 )
 from tandem.benchmark.metrics import calculate_metrics, parse_goodput
 from tandem.benchmark.runner import LoadPoint, Target, arrival_offsets_s, run_load
+from tandem.benchmark.serve import load_tokenizer as load_bench_tokenizer
 from tandem.cli import main as tandem_main
 from tests.integration.services import start_tandem_serve
 from tests.tandem.bench_stub import StubServer, StubSession, run_virtual
@@ -173,6 +177,29 @@ def test_random_prompts_have_their_exact_token_lengths(tiny_qwen3_path):
         assert (req.prompt_len, req.expected_output_len) == (8 + n_in, n_out)
     prefix = tokenizer.decode(tokenizer.encode(reqs[0].prompt, add_special_tokens=False)[:8])
     assert sum(r.prompt.startswith(prefix) for r in reqs) >= 45  # one shared prefix
+
+
+def test_random_prompts_batched_equal_one_at_a_time(tiny_qwen3_path):
+    """The first decode + encode of every prompt runs as one batch; the prompts (and the rng's
+    draws for the ones that need padding) are those of the one-at-a-time loop, with the light
+    tokenizer `bench serve` loads and with transformers' own."""
+    light = load_bench_tokenizer(str(tiny_qwen3_path))
+    assert isinstance(light, LightTokenizer)
+    for tokenizer in (light, load_tokenizer(tiny_qwen3_path)):
+        for seed in (0, 3):
+            rng = np.random.default_rng(seed)  # random_requests' own draws, in its order
+            in_lens, out_lens = rng.integers(16, 49, size=40), rng.integers(8, 25, size=40)
+            offsets = rng.integers(0, tokenizer.vocab_size, size=40)
+            allowed = roundtrip_tokens(tokenizer)
+            prefix = allowed[rng.integers(0, len(allowed), size=8)].tolist()
+            expected = []
+            for i in range(40):
+                inner = allowed[(offsets[i] + i + np.arange(in_lens[i])) % len(allowed)]
+                text, n = _decode_to_len(tokenizer, prefix + inner.tolist(), 8 + int(in_lens[i]),
+                                         allowed, rng)  # fmt: skip
+                expected.append((text, n, int(out_lens[i])))
+            reqs = random_requests(tokenizer, 40, 32, 16, range_ratio=0.5, prefix_len=8, seed=seed)
+            assert [(r.prompt, r.prompt_len, r.expected_output_len) for r in reqs] == expected
 
 
 def test_sharegpt_and_custom_files(tmp_path, tiny_qwen3_path):
