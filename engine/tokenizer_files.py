@@ -1,4 +1,5 @@
-"""`load_light_tokenizer`: a folder's tokenizer files, set up as `AutoTokenizer` sets them up.
+"""`load_light_tokenizer`: a folder's tokenizer files, set up as `AutoTokenizer` sets them up;
+`load_tokenizer_light_first`: that, else (with a warning saying why) transformers' own.
 
 The steps follow transformers 5's `PreTrainedTokenizerBase._from_pretrained` and
 `TokenizersBackend.__init__` (tokenization_utils_base.py / tokenization_utils_tokenizers.py),
@@ -18,14 +19,20 @@ same state (which tokens are added, which are special, the post-processor):
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 from tokenizers.processors import TemplateProcessing
 
 from engine.light_tokenizer import NAMED_SPECIALS, LightTokenizer, UnsupportedTokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 _GENERIC_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 _QWEN2_MODEL_TYPES = ("qwen2", "qwen3")
@@ -231,3 +238,25 @@ def load_light_tokenizer(path: str | Path) -> LightTokenizer:
         chat_template=_chat_template(folder, config),
         clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
     )
+
+
+def load_tokenizer_light_first(
+    path: Path, trust_remote_code: bool = False
+) -> LightTokenizer | PreTrainedTokenizerBase:
+    """The light tokenizer, else (with a warning saying why) transformers' own: the gateway's
+    and `tandem bench serve`'s, which need no transformers import for the folders it covers."""
+    if not trust_remote_code:
+        try:
+            return load_light_tokenizer(path)
+        except UnsupportedTokenizer as e:
+            reason = str(e)
+    else:
+        reason = "--trust-remote-code"
+    logger.warning(
+        "transformers (and torch) are loaded for this tokenizer: %s; this process starts "
+        "slower and idles larger",
+        reason,
+    )
+    from engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(path, trust_remote_code=trust_remote_code)

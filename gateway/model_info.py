@@ -14,12 +14,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.hf_config import load_generation_config, read_hf_config
-from engine.light_tokenizer import LightTokenizer, UnsupportedTokenizer
-from engine.tokenizer_files import load_light_tokenizer
+from engine.light_tokenizer import LightTokenizer
+from engine.tokenizer_files import load_tokenizer_light_first
 from engine.weights.hub import resolve_model_path
 from gateway.config import GatewaySettings
 
@@ -63,7 +62,7 @@ def load_model_info(settings: GatewaySettings) -> ModelInfo:
             f"max_model_len (max_position_embeddings={derived_len} in the model's config.json). "
             "Lower max_model_len."
         )
-    tokenizer = load_gateway_tokenizer(path, settings.trust_remote_code)
+    tokenizer = load_tokenizer_light_first(path, settings.trust_remote_code)
     logger.info(
         "serving %s from %s (max_model_len=%d)", settings.served_model_name, path, max_model_len
     )
@@ -75,24 +74,3 @@ def load_model_info(settings: GatewaySettings) -> ModelInfo:
         vocab_size=hf_config.vocab_size,
         generation_config=load_generation_config(path),
     )
-
-
-def load_gateway_tokenizer(
-    path: Path, trust_remote_code: bool = False
-) -> LightTokenizer | PreTrainedTokenizerBase:
-    """The light tokenizer, else (with a warning saying why) transformers' own."""
-    if not trust_remote_code:
-        try:
-            return load_light_tokenizer(path)
-        except UnsupportedTokenizer as e:
-            reason = str(e)
-    else:
-        reason = "--trust-remote-code"
-    logger.warning(
-        "the gateway loads transformers (and torch) for this tokenizer: %s; a replica starts "
-        "slower and idles larger",
-        reason,
-    )
-    from engine.tokenizer import load_tokenizer
-
-    return load_tokenizer(path, trust_remote_code=trust_remote_code)

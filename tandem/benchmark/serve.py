@@ -31,22 +31,16 @@ from tandem.benchmark.runner import LoadPoint, Target, run_load
 
 
 def load_tokenizer(name: str):
-    """The light tokenizer (the gateway's: no transformers import, ~5 s less before the first
-    request), else transformers' own for a folder it cannot reproduce."""
-    from engine.light_tokenizer import UnsupportedTokenizer
-    from engine.tokenizer_files import load_light_tokenizer
+    """The gateway's tokenizer loading: the light tokenizer (no transformers import, ~5 s less
+    before the first request), else transformers' own for a folder it cannot reproduce."""
+    from engine.tokenizer_files import load_tokenizer_light_first
 
     path = Path(name).expanduser()
     if not path.is_dir():
         from engine.weights import resolve_model_path
 
         path = resolve_model_path(name)
-    try:
-        return load_light_tokenizer(path)
-    except UnsupportedTokenizer:
-        from engine.tokenizer import load_tokenizer as load
-
-        return load(path)
+    return load_tokenizer_light_first(path)
 
 
 class NotReadyError(RuntimeError):
