@@ -7,13 +7,27 @@ UTF-8 sequence, so a byte-level tokenizer that splits a character across tokens 
 U+FFFD. Invariant (tested): the deltas of `update()` plus `flush()` concatenate to
 `tokenizer.decode(output_ids, skip_special_tokens=...)` for byte-level BPE tokenizers.
 
+`FastIncrementalDetokenizer` is the same algorithm in Rust (`tokenizers.decoders.DecodeStream`,
+as vLLM's fast detokenizer uses it), ~5x less CPU per token; `make_detokenizer` picks it for any
+tokenizer backed by a `tokenizers.Tokenizer` and keeps the Python one for the rest.
+
 `StopStringMatcher` sits after the detokenizer: it holds back the shortest tail of text that
 could still grow into a stop string, so a stop string is never streamed to the client.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
+
+from tokenizers import Tokenizer
+
+try:  # tokenizers >= 0.22: a stream primed with context ids
+    from tokenizers.decoders import DecodeStream
+
+    DecodeStream(ids=[], skip_special_tokens=False)
+except (ImportError, TypeError):
+    DecodeStream = None
 
 if TYPE_CHECKING:  # the gateway uses this module and imports no transformers
     from transformers import PreTrainedTokenizerBase
@@ -22,6 +36,26 @@ if TYPE_CHECKING:  # the gateway uses this module and imports no transformers
 # for tokenizers whose decoding of a token depends on its neighbours (SentencePiece spaces).
 _NUM_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
+# DecodeStream's error when a decode's text does not extend the text before it (vLLM #17448).
+_INVALID_PREFIX = "Invalid prefix encountered"
+
+logger = logging.getLogger(__name__)
+
+
+def make_detokenizer(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_token_ids: list[int],
+    skip_special_tokens: bool = True,
+    spaces_between_special_tokens: bool = True,
+) -> IncrementalDetokenizer | FastIncrementalDetokenizer:
+    """The Rust stream for tokenizers backed by `tokenizers` (LightTokenizer, transformers'
+    fast tokenizers), the Python algorithm for the rest; both keep the invariant above."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if DecodeStream is not None and isinstance(backend, Tokenizer):
+        return FastIncrementalDetokenizer(tokenizer, backend, prompt_token_ids, skip_special_tokens)
+    return IncrementalDetokenizer(
+        tokenizer, prompt_token_ids, skip_special_tokens, spaces_between_special_tokens
+    )
 
 
 class IncrementalDetokenizer:
@@ -87,6 +121,73 @@ class IncrementalDetokenizer:
         text = self._to_text(self.tokens[self.prefix_offset :])
         delta = text[len(context_text) :]
         self.prefix_offset = self.read_offset = len(self.tokens)
+        self.output_text += delta
+        return delta
+
+
+class FastIncrementalDetokenizer:
+    """`IncrementalDetokenizer`'s interface on `tokenizers`' Rust `DecodeStream`.
+
+    The stream holds back text ending in an incomplete character (U+FFFD) like the Python
+    algorithm; `flush` emits it when the request ends. Fast tokenizers' `decode` ignores
+    `spaces_between_special_tokens`, so this class takes none.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        backend: Tokenizer,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.skip_special_tokens = skip_special_tokens
+        self.output_token_ids: list[int] = []
+        self.output_text = ""
+        self._num_held = 0  # trailing output ids whose text the stream holds back
+        context_ids = list(prompt_token_ids[-_NUM_CONTEXT_TOKENS:])
+        # As in IncrementalDetokenizer: context ending mid-character gives no context.
+        context = backend.decode(context_ids, skip_special_tokens=skip_special_tokens)
+        if context.endswith(_REPLACEMENT_CHAR):
+            context_ids = []
+        self._stream = DecodeStream(ids=context_ids, skip_special_tokens=skip_special_tokens)
+
+    def update(self, new_token_ids: list[int]) -> str:
+        """Add output tokens; return the text that became final (may be "")."""
+        if not new_token_ids:
+            return ""
+        self.output_token_ids.extend(new_token_ids)
+        try:
+            delta = self._stream.step(self.backend, list(new_token_ids))
+        except Exception as e:
+            if not str(e).startswith(_INVALID_PREFIX):
+                raise
+            # A tokenizer whose text for more ids does not extend its text for fewer breaks the
+            # stream's state; vLLM restarts it without context, and so do we (logged).
+            logger.warning("%s; restarting the request's decode stream without context", e)
+            self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+            delta = self._stream.step(self.backend, list(new_token_ids))
+        if delta is None:
+            self._num_held += len(new_token_ids)
+            return ""
+        self._num_held = 0
+        self.output_text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Emit held-back text (it ends in U+FFFD) when the request ends; returns the delta."""
+        if not self._num_held:
+            return ""
+        decode = self.backend.decode
+        text = decode(self.output_token_ids, skip_special_tokens=self.skip_special_tokens)
+        if text.startswith(self.output_text):
+            delta = text[len(self.output_text) :]
+        else:  # context changed the text (SentencePiece spaces): the held ids alone
+            held = self.output_token_ids[-self._num_held :]
+            delta = decode(held, skip_special_tokens=self.skip_special_tokens)
+        self._num_held = 0
+        self._stream = DecodeStream(ids=[], skip_special_tokens=self.skip_special_tokens)
         self.output_text += delta
         return delta
 

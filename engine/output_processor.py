@@ -10,7 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.detokenizer import (
+    FastIncrementalDetokenizer,
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    make_detokenizer,
+)
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
 
@@ -22,7 +27,7 @@ if TYPE_CHECKING:  # the gateway uses this class and imports no transformers
 class RequestState:
     request_id: str
     params: SamplingParams
-    detok: IncrementalDetokenizer | None
+    detok: IncrementalDetokenizer | FastIncrementalDetokenizer | None
     stop: StopStringMatcher | None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -78,7 +83,7 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(
+            detok = make_detokenizer(
                 self.tokenizer,
                 prompt_token_ids,
                 skip_special_tokens=params.skip_special_tokens,

@@ -1,4 +1,7 @@
-"""Incremental detokenizer == full decode; stop strings are found and never streamed."""
+"""Incremental detokenizers == full decode; stop strings are found and never streamed.
+
+Every invariant runs on both detokenizers: the Python algorithm and the Rust DecodeStream one.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +11,15 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+import engine.detokenizer as detokenizer_module
+from engine.detokenizer import (
+    FastIncrementalDetokenizer,
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    make_detokenizer,
+)
 from engine.tokenizer import load_tokenizer
+from engine.tokenizer_files import load_light_tokenizer
 from tests.fixtures.tiny_models import IM_END_ID, IM_START_ID
 
 UNICODE_TEXTS = [
@@ -25,9 +35,23 @@ def tokenizer(tiny_qwen3_path: Path) -> PreTrainedTokenizerBase:
     return load_tokenizer(tiny_qwen3_path)
 
 
-def _stream(
-    detok: IncrementalDetokenizer, ids: list[int], rng: random.Random
-) -> tuple[list[str], str]:
+Detokenizer = IncrementalDetokenizer | FastIncrementalDetokenizer
+
+
+@pytest.fixture(params=["python", "rust"])
+def new_detok(request, tokenizer: PreTrainedTokenizerBase):
+    """Builds the detokenizer under test: new_detok(prompt, skip_special_tokens=True)."""
+
+    def build(prompt: list[int], skip_special_tokens: bool = True) -> Detokenizer:
+        if request.param == "python":
+            return IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens)
+        backend = tokenizer.backend_tokenizer
+        return FastIncrementalDetokenizer(tokenizer, backend, prompt, skip_special_tokens)
+
+    return build
+
+
+def _stream(detok: Detokenizer, ids: list[int], rng: random.Random) -> tuple[list[str], str]:
     """Feed `ids` in random chunks of 1-3; return the deltas and the final flush."""
     deltas, i = [], 0
     while i < len(ids):
@@ -38,7 +62,7 @@ def _stream(
 
 
 def test_unicode_text_streams_without_replacement_chars(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: PreTrainedTokenizerBase, new_detok
 ) -> None:
     rng = random.Random(0)
     num_split_chars = 0
@@ -46,7 +70,7 @@ def test_unicode_text_streams_without_replacement_chars(
         ids = tokenizer.encode(text, add_special_tokens=False)
         num_split_chars += sum("\ufffd" in tokenizer.decode([i]) for i in ids)
         for prompt in ([], tokenizer.encode("Say: 東京", add_special_tokens=False)):
-            detok = IncrementalDetokenizer(tokenizer, prompt)
+            detok = new_detok(prompt)
             deltas, rest = _stream(detok, ids, rng)
             assert all("\ufffd" not in d for d in deltas), deltas
             assert "".join(deltas) == detok.output_text == text
@@ -57,34 +81,96 @@ def test_unicode_text_streams_without_replacement_chars(
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_random_ids_match_full_decode(
-    tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool
+    tokenizer: PreTrainedTokenizerBase, new_detok, skip_special_tokens: bool
 ) -> None:
     rng = random.Random(int(skip_special_tokens))
     vocab_size = len(tokenizer)
+    num_held = 0
     for _ in range(500):
         ids = [rng.randrange(vocab_size) for _ in range(rng.randint(1, 40))]
         prompt = [rng.randrange(vocab_size) for _ in range(rng.randint(0, 8))]
-        detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens)
+        detok = new_detok(prompt, skip_special_tokens)
         deltas, rest = _stream(detok, ids, rng)
         expected = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         assert "".join(deltas) + rest == expected == detok.output_text
         assert rest == "" or rest.endswith("\ufffd")  # only an incomplete tail is held
+        num_held += rest != ""
+    assert num_held > 10  # the flush is exercised, not only the deltas
 
 
-def test_special_tokens(tokenizer: PreTrainedTokenizerBase) -> None:
+def test_special_tokens(tokenizer: PreTrainedTokenizerBase, new_detok) -> None:
     ids = [IM_START_ID, *tokenizer.encode("hi 😀", add_special_tokens=False), IM_END_ID]
-    kept = IncrementalDetokenizer(tokenizer, [IM_START_ID], skip_special_tokens=False)
+    kept = new_detok([IM_START_ID], skip_special_tokens=False)
     assert "".join(kept.update([i]) for i in ids) == "<|im_start|>hi 😀<|im_end|>"
-    skipped = IncrementalDetokenizer(tokenizer, [IM_START_ID], skip_special_tokens=True)
+    skipped = new_detok([IM_START_ID], skip_special_tokens=True)
     assert "".join(skipped.update([i]) for i in ids) == "hi 😀"
 
 
-def test_prompt_ending_mid_character(tokenizer: PreTrainedTokenizerBase) -> None:
+def test_prompt_ending_mid_character(tokenizer: PreTrainedTokenizerBase, new_detok) -> None:
     ids = tokenizer.encode("東京😀", add_special_tokens=False)
     split = next(k for k in range(1, len(ids)) if "\ufffd" in tokenizer.decode(ids[:k]))
-    detok = IncrementalDetokenizer(tokenizer, ids[:split])
+    detok = new_detok(ids[:split])
     out = ids[split:] + tokenizer.encode(" ok", add_special_tokens=False)
     assert "".join(detok.update([i]) for i in out) + detok.flush() == tokenizer.decode(out)
+
+
+def test_ids_beyond_the_vocabulary_decode_to_nothing(
+    tokenizer: PreTrainedTokenizerBase, new_detok
+) -> None:
+    """Models pad their embedding past the tokenizer's vocabulary; such ids have no text."""
+    ids = tokenizer.encode("a b", add_special_tokens=False)
+    detok = new_detok([])
+    out = [ids[0], len(tokenizer) + 7, *ids[1:]]
+    assert "".join(detok.update([i]) for i in out) + detok.flush() == "a b"
+
+
+def test_rust_stream_for_tokenizers_backed_by_tokenizers(
+    tokenizer: PreTrainedTokenizerBase, tiny_qwen3_path: Path
+) -> None:
+    light = load_light_tokenizer(tiny_qwen3_path)
+    for tok in (tokenizer, light):
+        assert isinstance(make_detokenizer(tok, [1, 2]), FastIncrementalDetokenizer)
+
+    class NoBackend:  # a slow (sentencepiece or custom) tokenizer has no Rust backend
+        def convert_ids_to_tokens(self, ids, skip_special_tokens=False):
+            return tokenizer.convert_ids_to_tokens(ids, skip_special_tokens)
+
+        def convert_tokens_to_string(self, tokens):
+            return tokenizer.convert_tokens_to_string(tokens)
+
+    slow = make_detokenizer(NoBackend(), [1, 2])
+    assert isinstance(slow, IncrementalDetokenizer)
+    ids = tokenizer.encode("still streams", add_special_tokens=False)
+    assert "".join(slow.update([i]) for i in ids) + slow.flush() == "still streams"
+
+
+def test_rust_stream_restarts_after_an_invalid_prefix(
+    tokenizer: PreTrainedTokenizerBase, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    """DecodeStream raises when a tokenizer's text for more ids does not extend its text for
+    fewer (vLLM #17448): the request goes on without context, logged; other errors raise."""
+    real = detokenizer_module.DecodeStream
+    failures = {"Invalid prefix encountered while decoding": 1, "something else": 0}
+
+    class FailingOnce:
+        def __init__(self, *args, **kwargs):
+            self.inner = real(*args, **kwargs)
+
+        def step(self, backend, ids):
+            for message, left in failures.items():
+                if left:
+                    failures[message] = 0
+                    raise Exception(message)
+            return self.inner.step(backend, ids)
+
+    monkeypatch.setattr(detokenizer_module, "DecodeStream", FailingOnce)
+    ids = tokenizer.encode("hello world", add_special_tokens=False)
+    detok = make_detokenizer(tokenizer, [])
+    assert "".join(detok.update([i]) for i in ids) + detok.flush() == "hello world"
+    assert "restarting the request's decode stream" in caplog.text
+    failures["something else"] = 1
+    with pytest.raises(Exception, match="something else"):
+        make_detokenizer(tokenizer, []).update(ids[:1])
 
 
 def _emit(matcher: StopStringMatcher, deltas: list[str]) -> tuple[str, bool]:
