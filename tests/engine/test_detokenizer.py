@@ -240,3 +240,51 @@ def test_no_stop_strings_is_passthrough() -> None:
     assert matcher.flush() == ""
     with pytest.raises(ValueError):
         StopStringMatcher([""])
+
+
+def test_rust_stream_on_a_sentencepiece_style_decoder() -> None:
+    """Llama-2's decoder chain (Metaspace spaces, byte fallback, a stripped first space): the
+    stream equals a full decode, characters spelled in byte tokens included; after a prompt,
+    the first word keeps its space (decode strips it only at the start of a text). Cut inside
+    a character, the stream emits every complete character and flushes U+FFFD for the rest,
+    where a full decode turns the whole run of byte tokens into U+FFFD (byte fallback decodes
+    a run all or nothing): the complete part is compared with the decode that ends before."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    in_vocab = sorted(set("Hello world, a test. Café naïve ok".replace(" ", "▁")))
+    vocab = {
+        t: i for i, t in enumerate(["<unk>", *in_vocab, *(f"<0x{b:02X}>" for b in range(256))])
+    }
+    backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    rng = random.Random(0)
+    alphabet = list("Hello world, a test. Café naïve ok") + list("東京жΩ😀🚀")  # the last: bytes
+    num_held = num_byte_chars = 0
+    for _ in range(500):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
+        ids = backend.encode(text).ids
+        ids = ids[: rng.randint(1, len(ids))]  # cut anywhere: mid-character too
+        num_byte_chars += any(backend.id_to_token(i).startswith("<0x") for i in ids)
+        # The longest prefix that ends on a whole character, and its text.
+        k = next(
+            k for k in range(len(ids), -1, -1) if not backend.decode(ids[:k]).endswith("\ufffd")
+        )
+        complete = backend.decode(ids[:k])
+        for prompt, space in (([], ""), (backend.encode(rng.choice(["Say:", "ok"])).ids, " ")):
+            detok = FastIncrementalDetokenizer(backend, backend, prompt, skip_special_tokens=True)
+            deltas = [detok.update([i]) for i in ids]  # one id per step, as decoding gives
+            rest = detok.flush()
+            assert "".join(deltas) in (complete, space + complete)
+            assert len(rest) == len(ids) - k and set(rest) <= {"\ufffd"}
+            num_held += rest != ""
+    assert num_byte_chars > 100 and num_held > 10  # byte tokens seen; cut characters flushed
