@@ -183,7 +183,7 @@ class FastIncrementalDetokenizer:
         text = decode(self.output_token_ids, skip_special_tokens=self.skip_special_tokens)
         if text.startswith(self.output_text):
             delta = text[len(self.output_text) :]
-        else:  # context changed the text (SentencePiece spaces): the held ids alone
+        else:  # SentencePiece spaces, or byte fallback's all-or-nothing runs: held ids alone
             held = self.output_token_ids[-self._num_held :]
             delta = decode(held, skip_special_tokens=self.skip_special_tokens)
         self._num_held = 0
