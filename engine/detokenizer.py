@@ -52,7 +52,7 @@ def make_detokenizer(
     fast tokenizers), the Python algorithm for the rest; both keep the invariant above."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if DecodeStream is not None and isinstance(backend, Tokenizer):
-        return FastIncrementalDetokenizer(tokenizer, backend, prompt_token_ids, skip_special_tokens)
+        return FastIncrementalDetokenizer(backend, prompt_token_ids, skip_special_tokens)
     return IncrementalDetokenizer(
         tokenizer, prompt_token_ids, skip_special_tokens, spaces_between_special_tokens
     )
@@ -134,13 +134,8 @@ class FastIncrementalDetokenizer:
     """
 
     def __init__(
-        self,
-        tokenizer: PreTrainedTokenizerBase,
-        backend: Tokenizer,
-        prompt_token_ids: list[int],
-        skip_special_tokens: bool = True,
+        self, backend: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True
     ) -> None:
-        self.tokenizer = tokenizer
         self.backend = backend
         self.skip_special_tokens = skip_special_tokens
         self.output_token_ids: list[int] = []

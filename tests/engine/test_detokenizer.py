@@ -46,7 +46,7 @@ def new_detok(request, tokenizer: PreTrainedTokenizerBase):
         if request.param == "python":
             return IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens)
         backend = tokenizer.backend_tokenizer
-        return FastIncrementalDetokenizer(tokenizer, backend, prompt, skip_special_tokens)
+        return FastIncrementalDetokenizer(backend, prompt, skip_special_tokens)
 
     return build
 
@@ -281,7 +281,7 @@ def test_rust_stream_on_a_sentencepiece_style_decoder() -> None:
         )
         complete = backend.decode(ids[:k])
         for prompt, space in (([], ""), (backend.encode(rng.choice(["Say:", "ok"])).ids, " ")):
-            detok = FastIncrementalDetokenizer(backend, backend, prompt, skip_special_tokens=True)
+            detok = FastIncrementalDetokenizer(backend, prompt, skip_special_tokens=True)
             deltas = [detok.update([i]) for i in ids]  # one id per step, as decoding gives
             rest = detok.flush()
             assert "".join(deltas) in (complete, space + complete)
