@@ -3,7 +3,8 @@
 Per case (model, batch, context): the mean engine step over 100 back-to-back steps, the
 CUDA-graph replay alone (host overhead not hidden = the difference), the kernels of one
 eager forward from torch.profiler (count, GPU time, the per-layer sequence of a middle layer,
-the top kernels by name) next to the weight + KV bytes floor, and a cProfile of the engine
+the top kernels by name) next to two floors (every weight + KV byte; the bytes a step reads,
+one row of the input-embedding table instead of all of it), and a cProfile of the engine
 steps (host functions by own time).
 
     python -m bench.profile_step [--cases qwen3-0.6b:1:512,qwen3-8b:1:512] [--out-dir DIR]
@@ -26,7 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.common import write_result
-from bench.gpu_engine import ceilings, dummy_llm, make_config_dir, random_prompts
+from bench.gpu_engine import ceilings, dummy_llm, make_config_dir, random_prompts, step_read_bytes
 from engine import LLM, SamplingParams
 from engine.request import Request
 
@@ -86,7 +87,9 @@ def profile_case(llm: LLM, batch: int, ctx: int, copy_bps: float) -> dict:
     per_layer = (len(trace) - 4) // layers
     mid = 2 + per_layer * (layers // 2)
     kv_tok = core.config.kv_bytes_per_token()
-    floor_s = (core.runner.weights_bytes + batch * (ctx + 20) * kv_tok) / copy_bps
+    kv_bytes = batch * (ctx + 20) * kv_tok
+    floor_s = (core.runner.weights_bytes + kv_bytes) / copy_bps  # every weight byte
+    read_floor_s = (step_read_bytes(core.runner) + kv_bytes) / copy_bps  # one embedding row
     host = io.StringIO()
     pstats.Stats(prof, stream=host).sort_stats("tottime").print_stats(14)
     step_ms, replay_ms = step_s * 1e3, statistics.median(replays)
@@ -97,6 +100,7 @@ def profile_case(llm: LLM, batch: int, ctx: int, copy_bps: float) -> dict:
         "graph_replay_ms": replay_ms,
         "host_ms": step_ms - replay_ms,
         "floor_ms": floor_s * 1e3,
+        "read_floor_ms": read_floor_s * 1e3,
         "eager_kernels": len(trace),
         "eager_kernel_sum_ms": sum(us for _, us in trace) / 1e3,
         "kernels_per_layer": per_layer,
@@ -130,12 +134,16 @@ def main() -> None:
                 print(json.dumps(r, indent=None)[:3000])
             del llm
             torch.cuda.empty_cache()
-    print("\ncase                     | step ms | replay ms | host ms | floor ms | eager kernels")
+    print(
+        "\ncase                     | step ms | replay ms | host ms | floor ms | read floor ms "
+        "| eager kernels"
+    )
     for k, r in results.items():
         if isinstance(r, dict):
             print(
                 f"{k:24} | {r['step_ms']:7.3f} | {r['graph_replay_ms']:9.3f} | "
-                f"{r['host_ms']:7.3f} | {r['floor_ms']:8.3f} | {r['eager_kernels']} "
+                f"{r['host_ms']:7.3f} | {r['floor_ms']:8.3f} | {r['read_floor_ms']:13.3f} | "
+                f"{r['eager_kernels']} "
                 f"({r['eager_kernel_sum_ms']:.3f} ms)"
             )
     if args.out_dir:
