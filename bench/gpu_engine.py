@@ -57,6 +57,8 @@ VARIANTS = {
     # the fused GEMVs launched without programmatic dependent launch (kernels.gemv.PDL, on by
     # default)
     "no-pdl": {"gemv_pdl": False},
+    "no-rope-attention": {"rope_in_attention": False},
+    "fp8-no-rope-attention": {"quantization": "fp8", "rope_in_attention": False},
     "fp8-no-pdl": {"quantization": "fp8", "gemv_pdl": False},
 }
 
@@ -214,12 +216,17 @@ def dummy_llm(path: Path, dtype: str = "bfloat16", **llm_kwargs) -> LLM:
     )
 
 
-def bench_model(name: str, path: Path, ceil: dict, args, gemv_pdl=True, **llm_kwargs) -> dict:
-    """`llm_kwargs`: a variant's engine arguments (`VARIANTS`); `gemv_pdl`: kernels.gemv.PDL
-    (this runs in a process of its own)."""
+def bench_model(
+    name: str, path: Path, ceil: dict, args, gemv_pdl=True, rope_in_attention=True, **llm_kwargs
+) -> dict:
+    """`llm_kwargs`: a variant's engine arguments (`VARIANTS`); `gemv_pdl`: kernels.gemv.PDL,
+    `rope_in_attention`: engine.attention_triton.ROPE_IN_ATTENTION (this runs in a process of
+    its own)."""
+    import engine.attention_triton
     import kernels.gemv
 
     kernels.gemv.PDL = gemv_pdl
+    engine.attention_triton.ROPE_IN_ATTENTION = rope_in_attention
     copy_bps = ceil["copy_GBps"] * 1e9
     t = time.perf_counter()
     llm = dummy_llm(path, **llm_kwargs)

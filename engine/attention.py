@@ -80,12 +80,18 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor: ...
 
     def warm_up(
-        self, kv_layer: torch.Tensor, num_q_heads: int, dtype: torch.dtype, num_tokens: int
+        self,
+        kv_layer: torch.Tensor,
+        num_q_heads: int,
+        dtype: torch.dtype,
+        num_tokens: int,
+        qk_norm: bool = False,
     ) -> None:
         """Build whatever `forward` would otherwise build on first use (kernel variants), so
         no request waits for it. `kv_layer`: one layer of the real cache (read, not written);
-        `dtype`: the queries'; `num_tokens`: a step's token budget. Nothing to do for a
-        backend without JIT kernels."""
+        `dtype`: the queries'; `num_tokens`: a step's token budget; `qk_norm`: the model
+        normalizes q and k per head (Qwen3). Nothing to do for a backend without JIT
+        kernels."""
         return None  # torch's kernels are built ahead of time
 
 

@@ -15,18 +15,26 @@ largest captured batch before capturing so no buffer grows inside a graph.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from kernels.kv_cache_write import kv_cache_write
 from kernels.paged_decode_attention import (
     DecodeConfig,
+    DecodeRope,
     SplitWorkspace,
     choose_num_splits,
     paged_decode_attention,
 )
 from kernels.prefill_attention import prefill_attention
 from kernels.utils import num_sms
+
+# Decode steps rotate q and store the new K/V inside the attention kernel (`attend_rope`), one
+# launch fewer per layer; False: kernels/rotary.py's kernel first (`gpu_engine --variants
+# bf16,no-rope-attention` times both).
+ROPE_IN_ATTENTION = True
 
 
 class TritonPagedAttention(AttentionBackend):
@@ -70,21 +78,45 @@ class TritonPagedAttention(AttentionBackend):
         )  # fmt: skip
         return out
 
-    def _decode(self, q, kv_layer, block_tables, seq_lens, scale, max_seq_len, out=None):
+    def attend_rope(
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        rope: DecodeRope,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """A decode step's attention with `rope`'s work done in the kernel (q un-rotated, K/V
+        not stored yet); None where it does not apply (then nothing has run)."""
+        if not ROPE_IN_ATTENTION or meta.max_query_len != 1 or not rope.supports(q.shape[2]):
+            return None
+        assert q.shape[0] == meta.seq_lens.shape[0], "decode: one query row per sequence"
+        max_seq_len = self.static_max_seq_len or meta.max_seq_len
+        tables, lens = meta.block_tables, meta.seq_lens
+        return self._decode(q, kv_layer, tables, lens, scale, max_seq_len, out, rope)
+
+    def _decode(self, q, kv_layer, block_tables, seq_lens, scale, max_seq_len, out=None, rope=None):
         num_splits = self._num_splits(q.shape[0], kv_layer.shape[3], max_seq_len, q.device)
         workspace = None
         if num_splits > 1:
             workspace = self._workspace(q.shape[0], q.shape[1], num_splits, q.shape[2], q)
         return paged_decode_attention(
             q, kv_layer, block_tables, seq_lens, scale,
-            out=out, max_seq_len=max_seq_len, workspace=workspace,
+            out=out, max_seq_len=max_seq_len, workspace=workspace, rope=rope,
         )  # fmt: skip
 
     def warm_up(
-        self, kv_layer: torch.Tensor, num_q_heads: int, dtype: torch.dtype, num_tokens: int
+        self,
+        kv_layer: torch.Tensor,
+        num_q_heads: int,
+        dtype: torch.dtype,
+        num_tokens: int,
+        qk_norm: bool = False,
     ) -> None:
-        """Compile every kernel variant `forward` can launch: the decode kernel single-pass and
-        split (with its merge), and the prefill kernel. The kernels do not specialize on what
+        """Compile every kernel variant `forward` and `attend_rope` can launch: the decode
+        kernel single-pass and split (with its merge), each also with the RoPE work (its slots
+        -1: no store), and the prefill kernel. The kernels do not specialize on what
         changes between steps (kernels/paged_decode_attention.py's VARYING), so these are all
         the variants a server meets, and none compiles while requests wait (on a cold Triton
         cache each takes up to ~1.5 s). The prefill runs at `num_tokens` rows so that, if it is the
@@ -100,11 +132,19 @@ class TritonPagedAttention(AttentionBackend):
         prefill_attention(q, kv_layer, tables, qsl, lens, 1.0, max_query_len=num_tokens)
         tables = torch.zeros(2, 1, dtype=torch.int32, device=dev)
         lens = torch.ones(2, dtype=torch.int32, device=dev)
-        for splits in (1, 2):
+        num_kv_heads = kv_layer.shape[3]
+        kv = q[:2, :num_kv_heads]
+        rope = DecodeRope(
+            kv, kv, torch.full((2,), -1, device=dev), torch.zeros(2, dtype=torch.int64, device=dev),
+            torch.zeros(1, head_dim, dtype=dtype, device=dev),
+            *(torch.ones(head_dim, dtype=dtype, device=dev),) * (2 if qk_norm else 0),
+        )  # fmt: skip
+        ropes = [None, rope] if ROPE_IN_ATTENTION and rope.supports(head_dim) else [None]
+        for splits, rope in itertools.product((1, 2), ropes):
             workspace = self._workspace(2, num_q_heads, splits, head_dim, q) if splits > 1 else None
             paged_decode_attention(
                 q[:2], kv_layer, tables, lens, 1.0, max_seq_len=block_size,
-                workspace=workspace, config=DecodeConfig(num_splits=splits),
+                workspace=workspace, config=DecodeConfig(num_splits=splits), rope=rope,
             )  # fmt: skip
 
     def reserve(

@@ -250,7 +250,8 @@ class ModelRunner:
         mc, sc = self.config.model, self.config.scheduler
         num_tokens = min(sc.max_num_batched_tokens, mc.max_model_len)
         heads = mc.hf_config.num_attention_heads
-        self.attn_backend.warm_up(self.kv_cache[:, 0], heads, self.dtype, num_tokens)
+        qk_norm = getattr(self.model, "qk_norm", False)
+        self.attn_backend.warm_up(self.kv_cache[:, 0], heads, self.dtype, num_tokens, qk_norm)
 
     def init_cuda_graphs(self) -> None:
         mc, sc = self.config.model, self.config.scheduler

@@ -27,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.utils import check_kv_layer, dot_precision, num_sms
+from kernels.kv_cache_write import saturate, slot_rows
+from kernels.rotary import rope_rows
+from kernels.utils import check_kv_layer, dot_precision, fp8_max, num_sms
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64  # bounds the workspace and the merge's tile
@@ -59,7 +61,12 @@ class DecodeConfig:
 VARYING = ["num_splits", "stride_bt", "stride_ps", "stride_ph"]
 
 
-@triton.jit(do_not_specialize=VARYING)
+# With ROPE, the positions and slots are slices of step buffers at the step's offsets (see
+# kernels/rotary.py): their alignment is not specialized on either.
+@triton.jit(
+    do_not_specialize=VARYING,
+    do_not_specialize_on_alignment=["slot_mapping_ptr", "positions_ptr"],
+)
 def _paged_decode_kernel(
     q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
@@ -69,9 +76,13 @@ def _paged_decode_kernel(
     stride_bt,
     stride_os, stride_oh,
     stride_ps, stride_ph,  # partials: m/l [S, Hq, P], acc [S, Hq, P, D] (contiguous)
+    # ROPE only: q above is un-rotated; the new K/V rows, their slots, positions, cos/sin
+    k_ptr, v_ptr, slot_mapping_ptr, positions_ptr, cache_ptr, q_norm_ptr, k_norm_ptr, eps,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cache,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr,
+    ROPE: tl.constexpr, HAS_NORM: tl.constexpr, FP8_MAX: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -93,11 +104,21 @@ def _paged_decode_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
-    q = tl.load(
-        q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_h[:, None] & mask_d[None, :],
-        other=0.0,
-    )
+    if ROPE:  # kernels/rotary.py's work for this group, in registers (HEAD_DIM = BLOCK_D)
+        q = _rope_group(
+            q_ptr + seq * stride_qs, stride_qh, heads, mask_h,
+            k_ptr + seq * stride_kt + kvh * stride_kh, v_ptr + seq * stride_vt + kvh * stride_vh,
+            kv_ptr, slot_mapping_ptr, positions_ptr, cache_ptr, q_norm_ptr, k_norm_ptr, eps,
+            seq, kvh, stride_cache, stride_kv_blk, stride_kv_kv, stride_kv_tok, stride_kv_h,
+            (seq_len - 1 >= start) & (seq_len - 1 < end),
+            HEAD_DIM // 2, BLOCK_SIZE, HAS_NORM, FP8_MAX,
+        )  # fmt: skip
+    else:
+        q = tl.load(
+            q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_h[:, None] & mask_d[None, :],
+            other=0.0,
+        )
     if F16_DOTS:  # saturate rather than overflow fp16's range
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     # A finite floor, not -inf: a fully masked row must give exp2(m - m_new) = 1, never NaN.
@@ -140,6 +161,59 @@ def _paged_decode_kernel(
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         out_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_hd)
+
+
+@triton.jit
+def _rope_group(
+    q_ptr, stride_qh, heads, mask_h, k_ptr, v_ptr, kv_ptr, slot_mapping_ptr, positions_ptr,
+    cache_ptr, q_norm_ptr, k_norm_ptr, eps, seq, kvh, stride_cache,
+    stride_kv_blk, stride_kv_kv, stride_kv_tok, stride_kv_h, holds_new_token,
+    HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, FP8_MAX: tl.constexpr,
+):  # fmt: skip
+    """The group's q rows [BLOCK_H, 2 * HALF], normed (HAS_NORM) and rotated at the sequence's
+    position by `rope_rows`, the arithmetic of kernels/rotary.py, so they equal what that kernel
+    stores. The program whose partition holds the new token (`holds_new_token`) first rotates
+    its kv head's new K and stores it and V at the token's slot, as that kernel does; the
+    barrier then makes the stores visible to the program's own tile loads."""
+    offs = tl.arange(0, HALF)
+    pos = tl.load(positions_ptr + seq)
+    cos = tl.load(cache_ptr + pos * stride_cache + offs).to(tl.float32)[None, :]
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + offs).to(tl.float32)[None, :]
+    if HAS_NORM:
+        w1 = tl.load(q_norm_ptr + offs).to(tl.float32)[None, :]
+        w2 = tl.load(q_norm_ptr + HALF + offs).to(tl.float32)[None, :]
+        kw1 = tl.load(k_norm_ptr + offs).to(tl.float32)[None, :]
+        kw2 = tl.load(k_norm_ptr + HALF + offs).to(tl.float32)[None, :]
+    else:
+        w1 = 1.0
+        w2 = 1.0
+        kw1 = 1.0
+        kw2 = 1.0
+    rows = q_ptr + heads[:, None] * stride_qh + offs[None, :]
+    mask = mask_h[:, None]
+    q1, q2 = rope_rows(
+        tl.load(rows, mask=mask, other=0.0), tl.load(rows + HALF, mask=mask, other=0.0),
+        cos, sin, w1, w2, eps, HALF, HAS_NORM,
+    )  # fmt: skip
+    if holds_new_token:
+        k1, k2 = rope_rows(
+            tl.load(k_ptr + offs)[None, :], tl.load(k_ptr + HALF + offs)[None, :],
+            cos, sin, kw1, kw2, eps, HALF, HAS_NORM,
+        )  # fmt: skip
+        dst, smask = slot_rows(
+            kv_ptr, slot_mapping_ptr, seq, tl.zeros([1], dtype=tl.int32) + kvh, offs,
+            kvh + 1, HALF, stride_kv_blk, stride_kv_tok, stride_kv_h, BLOCK_SIZE,
+        )  # fmt: skip
+        dt = kv_ptr.dtype.element_ty
+        tl.store(dst, saturate(k1, FP8_MAX).to(dt), mask=smask)
+        tl.store(dst + HALF, saturate(k2, FP8_MAX).to(dt), mask=smask)
+        v1 = tl.load(v_ptr + offs)[None, :]
+        v2 = tl.load(v_ptr + HALF + offs)[None, :]
+        tl.store(dst + stride_kv_kv, saturate(v1, FP8_MAX).to(dt), mask=smask)
+        tl.store(dst + stride_kv_kv + HALF, saturate(v2, FP8_MAX).to(dt), mask=smask)
+        tl.debug_barrier()
+    # [BLOCK_H, HALF, 2] -> [BLOCK_H, 2, HALF] -> [BLOCK_H, 2 * HALF]: q1 then q2 per row
+    return tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (q1.shape[0], 2 * HALF))
 
 
 @triton.jit
@@ -203,6 +277,27 @@ def partition_tokens(seq_len: int, num_splits: int, block_n: int) -> int:
     return max(triton.cdiv(triton.cdiv(seq_len, parts), block_n), 1) * block_n
 
 
+@dataclass(frozen=True)
+class DecodeRope:
+    """What kernels/rotary.py's kernel would do before decode attention, done inside it: q
+    (the un-rotated q view) normed and rotated at `positions`, and the new tokens' K (normed,
+    rotated) and V stored at `slot_mapping`. Fields as `rotary_embedding` takes them."""
+
+    k: torch.Tensor  # [S, Hkv, D], the new tokens' un-rotated K (D contiguous)
+    v: torch.Tensor  # [S, Hkv, D]
+    slot_mapping: torch.Tensor  # [S] int64, < 0 = no store
+    positions: torch.Tensor  # [S] int64
+    cos_sin_cache: torch.Tensor  # [max_pos, D], q's dtype
+    q_norm_weight: torch.Tensor | None = None  # [D] (Qwen3); both or neither
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 1e-6
+
+    @staticmethod
+    def supports(head_dim: int) -> bool:
+        """The kernel joins q's rotated halves into one tile: head_dim a power of two."""
+        return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 @dataclass
 class SplitWorkspace:
     """fp32 partials of pass 1, sized from static maxima so a CUDA graph can own them."""
@@ -219,6 +314,24 @@ class SplitWorkspace:
                    torch.empty((*shape, head_dim), **kw))  # fmt: skip
 
 
+_NO_ROPE = DecodeRope(*(None,) * 5)  # type: ignore[arg-type]  # the kernel's unused arguments
+
+
+def _check_rope(rope: DecodeRope, q: torch.Tensor, kv_layer: torch.Tensor) -> None:
+    num_seqs, _, head_dim = q.shape
+    num_kv_heads = kv_layer.shape[3]
+    assert DecodeRope.supports(head_dim), f"fused RoPE needs a power-of-two head_dim: {head_dim}"
+    for t in (rope.k, rope.v):
+        assert t.shape == (num_seqs, num_kv_heads, head_dim) and t.stride(2) == 1
+    assert rope.k.dtype == rope.v.dtype == q.dtype == rope.cos_sin_cache.dtype
+    assert rope.cos_sin_cache.shape[1] == head_dim and rope.cos_sin_cache.stride(1) == 1
+    for t in (rope.positions, rope.slot_mapping):
+        assert t.dtype == torch.int64 and t.shape == (num_seqs,) and t.is_contiguous()
+    assert (rope.q_norm_weight is None) == (rope.k_norm_weight is None), "norms come together"
+    for w in (rope.q_norm_weight, rope.k_norm_weight):
+        assert w is None or (w.shape == (head_dim,) and w.dtype == q.dtype and w.is_contiguous())
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -229,11 +342,14 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     workspace: SplitWorkspace | None = None,
     config: DecodeConfig | None = None,
+    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """Attention of q [S, Hq, D] (the last token of each sequence) over its first seq_lens[s]
     cached tokens; returns [S, Hq, D] in q's dtype. `max_seq_len`: a host-side bound that must
     be >= every seq_len (it sizes the partitions; default: the block table's capacity). For
-    CUDA graphs pass a static bound and, optionally, a preallocated `workspace`."""
+    CUDA graphs pass a static bound and, optionally, a preallocated `workspace`. With `rope`,
+    q is un-rotated and the new tokens' K/V not yet stored: the kernel does both first (one
+    launch fewer per layer than `rotary_embedding` + this)."""
     check_kv_layer(kv_layer)
     num_seqs, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, kv_head_dim = kv_layer.shape
@@ -272,6 +388,10 @@ def paged_decode_attention(
     else:
         m = l_sum = acc = out  # unused by the single-pass kernel
     block_d = triton.next_power_of_2(head_dim)
+    r = rope or _NO_ROPE
+    has_norm = rope is not None and rope.q_norm_weight is not None
+    if rope is not None:
+        _check_rope(rope, q, kv_layer)
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, kv_layer, block_tables, seq_lens, out, m, l_sum, acc,
         scale * LOG2E, num_splits,
@@ -280,11 +400,17 @@ def paged_decode_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         m.stride(0) if is_split else 0, m.stride(1) if is_split else 0,
+        *((r.k, r.v, r.slot_mapping, r.positions, r.cos_sin_cache) if rope else (q,) * 5),
+        *((r.q_norm_weight, r.k_norm_weight) if has_norm else (q, q)), r.eps,
+        *((r.k.stride(0), r.k.stride(1), r.v.stride(0), r.v.stride(1)) if rope else (0,) * 4),
+        r.cos_sin_cache.stride(0) if rope else 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         IS_SPLIT=is_split, DOT_PRECISION=dot_precision(q.dtype),
         F16_DOTS=kv_layer.dtype == torch.float8_e4m3fn
         and (cfg.f16_dots if cfg.f16_dots is not None else q.dtype == torch.bfloat16),
+        ROPE=rope is not None, HAS_NORM=has_norm,
+        FP8_MAX=fp8_max(kv_layer) if rope is not None else 0.0,
         num_warps=cfg.num_warps, num_stages=num_stages,
     )  # fmt: skip
     if is_split:

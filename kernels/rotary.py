@@ -34,6 +34,16 @@ def _rope_heads(
     ptrs = x_ptr + offs_h[:, None] * stride_h + offs_d[None, :]
     x1 = tl.load(ptrs, mask=mask, other=0.0)
     x2 = tl.load(ptrs + HALF, mask=mask, other=0.0)
+    out1, out2 = rope_rows(x1, x2, cos, sin, norm_w1, norm_w2, eps, HALF, HAS_NORM)
+    tl.store(ptrs, out1, mask=mask)
+    tl.store(ptrs + HALF, out2, mask=mask)
+    return out1, out2
+
+
+@triton.jit
+def rope_rows(x1, x2, cos, sin, norm_w1, norm_w2, eps, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    """The halves [H, HALF] of H head rows, normed first if HAS_NORM, rotated, in x1's dtype.
+    Shared with the decode attention kernel, which rotates q and the new K in registers."""
     dtype = x1.dtype
     if HAS_NORM:  # HF RMSNorm over the whole head: fp32 stats, round, times weight, round
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
@@ -43,8 +53,6 @@ def _rope_heads(
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
     out1 = (f1 * cos).to(dtype).to(tl.float32) - (f2 * sin).to(dtype).to(tl.float32)
     out2 = (f2 * cos).to(dtype).to(tl.float32) + (f1 * sin).to(dtype).to(tl.float32)
-    tl.store(ptrs, out1.to(dtype), mask=mask)
-    tl.store(ptrs + HALF, out2.to(dtype), mask=mask)
     return out1.to(dtype), out2.to(dtype)
 
 

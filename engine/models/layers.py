@@ -240,10 +240,27 @@ class Attention(nn.Module):
 
     def forward_fused(self, x, positions, cos_sin_cache, kv_layer, meta, backend):
         """CUDA: (q/k-norm +) RoPE and the KV-cache store in one kernel over views of the qkv
-        output; the backend then only attends."""
-        q, k, v = self.qkv_rope(x, positions, cos_sin_cache, kv_layer, meta.slot_mapping)
-        o = backend.forward(q, k, v, kv_layer, meta, self.scale, kv_written=True)
+        output (in decode steps, inside the attention kernel); the backend then attends."""
+        o = self.rope_attend(self.qkv_proj(x), positions, cos_sin_cache, kv_layer, meta, backend)
         return self.o_proj(o.reshape(-1, self.q_size))
+
+    def rope_attend(self, qkv, positions, cos_sin_cache, kv_layer, meta, backend):
+        """Attention over the qkv rows after the q/k norms, RoPE and the K/V store: in the
+        attention kernel where the backend can (`attend_rope`: Triton, decode steps), else the
+        RoPE kernel first. Returns [T, Hq, D]."""
+        attend_rope = getattr(backend, "attend_rope", None)
+        if attend_rope is not None:
+            from kernels.paged_decode_attention import DecodeRope
+
+            q, k, v = self.split_qkv(qkv)
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else ()
+            eps = self.q_norm.eps if self.q_norm is not None else 1e-6
+            rope = DecodeRope(k, v, meta.slot_mapping, positions, cos_sin_cache, *norms, eps=eps)
+            o = attend_rope(q, kv_layer, meta, self.scale, rope)
+            if o is not None:
+                return o
+        q, k, v = self.rope_store(qkv, positions, cos_sin_cache, kv_layer, meta.slot_mapping)
+        return backend.forward(q, k, v, kv_layer, meta, self.scale, kv_written=True)
 
     def qkv_rope(self, x, positions, cos_sin_cache, kv_layer, slot_mapping, out=None):
         """The fused path up to attention: qkv_proj (into `out` if given), then one kernel for
@@ -340,8 +357,7 @@ class DecoderLayer(nn.Module):
         unwritten), in place otherwise."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = _norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
-        q, k, v = attn.rope_store(qkv, positions, cos_sin_cache, kv_layer, meta.slot_mapping)
-        o = backend.forward(q, k, v, kv_layer, meta, attn.scale, kv_written=True)
+        o = attn.rope_attend(qkv, positions, cos_sin_cache, kv_layer, meta, backend)
         x = attn.o_proj(o.reshape(-1, attn.q_size))
         gate_up, residual = _norm_linear(
             x, residual, self.post_attention_layernorm, mlp.gate_up_proj

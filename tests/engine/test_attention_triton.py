@@ -125,18 +125,35 @@ def test_engine_greedy_tokens_match_torch_backend(tiny_qwen3_path):
     assert 1 in calls and max(calls) > 1, "both kernels ran"
 
 
-def test_engine_fused_model_path_matches_torch_path(tiny_qwen3_path):
+@pytest.mark.parametrize("rope_in_attention", [True, False])
+def test_engine_fused_model_path_matches_torch_path(
+    tiny_qwen3_path, monkeypatch, rope_in_attention
+):
     """The CUDA model path (Triton RMSNorm + residual, q/k-norm + RoPE with the KV store fused
     in, SiLU-and-mul, Triton attention) run under the interpreter decodes the torch path's
-    greedy tokens, prefix hits included."""
+    greedy tokens, prefix hits included; decode steps with the RoPE work and the K/V store
+    inside the attention kernel (`attend_rope`), or in the RoPE kernel before it."""
     if test_device().type != "cpu":
         pytest.skip("the engine picks its own device; this is the CPU interpreter check")
+    import engine.attention_triton as attention_triton
+
+    monkeypatch.setattr(attention_triton, "ROPE_IN_ATTENTION", rope_in_attention)
+    fused_steps = []
+    attend_rope = TritonPagedAttention.attend_rope
+
+    def recorded(self, *args, **kwargs):
+        out = attend_rope(self, *args, **kwargs)
+        fused_steps.append(out is not None)
+        return out
+
+    monkeypatch.setattr(TritonPagedAttention, "attend_rope", recorded)
     prompts, params, expect = _torch_path_greedy(tiny_qwen3_path)
     llm = LLM(str(tiny_qwen3_path))
     llm.engine.runner.attn_backend = TritonPagedAttention(static_max_seq_len=4096)
     llm.engine.runner.model.use_fused_kernels = True
     for _ in range(2):  # fresh, then prefix hits
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expect
+    assert any(fused_steps) == rope_in_attention and not all(fused_steps)  # prefills: never
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])

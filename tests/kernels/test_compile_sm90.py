@@ -44,18 +44,24 @@ def compile_all() -> None:
 
     bf, ptrs = "*bf16", {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "qk_scale": "fp32"}
     fp8 = "*fp8e4nv"  # --kv-cache-dtype fp8: bf16 queries over an FP8 e4m3 cache
-    for dt, kv, prec, f16_dots in (("*bf16", "*bf16", "tf32", False),
-                                   ("*fp32", "*fp32", "ieee", False),
-                                   ("*bf16", fp8, "tf32", False),
-                                   ("*bf16", fp8, "tf32", True)):  # fmt: skip
+    # With ROPE (decode steps): q rotated and the new K/V stored in the kernel, Qwen3's norms on.
+    for dt, kv, prec, f16_dots, rope in (("*bf16", "*bf16", "tf32", False, False),
+                                         ("*fp32", "*fp32", "ieee", False, False),
+                                         ("*bf16", fp8, "tf32", False, False),
+                                         ("*bf16", fp8, "tf32", True, False),
+                                         ("*bf16", "*bf16", "tf32", False, True),
+                                         ("*bf16", fp8, "tf32", True, True)):  # fmt: skip
         for split in (False, True):
             types = dict(ptrs, q_ptr=dt, kv_ptr=kv, out_ptr=dt, m_ptr="*fp32", l_ptr="*fp32",
-                         acc_ptr="*fp32")  # fmt: skip
+                         acc_ptr="*fp32", k_ptr=dt, v_ptr=dt, slot_mapping_ptr="*i64",
+                         positions_ptr="*i64", cache_ptr=dt, q_norm_ptr=dt, k_norm_ptr=dt,
+                         eps="fp32")  # fmt: skip
             # The wrapper's defaults: 64-token tiles when split, 128 x 3 stages unsplit.
             block_n, stages = (decode.SPLIT_BLOCK_N, 2) if split else (decode.SINGLE_BLOCK_N, 3)
             cx = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_N=block_n,
                       BLOCK_D=128, IS_SPLIT=split, DOT_PRECISION=prec,
-                      F16_DOTS=f16_dots)  # fmt: skip
+                      F16_DOTS=f16_dots, ROPE=rope, HAS_NORM=rope,
+                      FP8_MAX=448.0 if rope and kv == fp8 else 0.0)  # fmt: skip
             shared = _compile(decode._paged_decode_kernel, types, cx, num_stages=stages)
             assert shared <= H200_SHARED_BYTES, f"decode {cx} needs {shared} B of shared memory"
     types = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr=bf, seq_lens_ptr="*i32")

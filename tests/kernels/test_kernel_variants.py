@@ -22,6 +22,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 from engine import LLM, SamplingParams
 from engine.attention_triton import TritonPagedAttention
 from engine.piecewise_graph import PiecewiseGraphs
+from kernels.paged_decode_attention import DecodeRope
 from kernels.utils import is_interpreting
 from tests.engine.test_attention_triton import _meta
 
@@ -97,14 +98,24 @@ STEPS = [
 def test_serving_compiles_no_attention_variant_after_warm_up(specializations):
     backend = TritonPagedAttention(static_max_seq_len=1024)
     kv_layer = torch.randn(40, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    backend.warm_up(kv_layer, NUM_Q_HEADS, torch.float32, num_tokens=48)
+    backend.warm_up(kv_layer, NUM_Q_HEADS, torch.float32, num_tokens=48, qk_norm=True)
     built = {_variant(*launch) for launch in specializations}
     specializations.clear()
+    cos_sin = torch.randn(512, HEAD_DIM)
+    norm = torch.ones(HEAD_DIM)
     for decode_lens, chunks in STEPS:
         meta, num_tokens = _mixed_step(decode_lens, chunks)
         q = torch.randn(num_tokens, NUM_Q_HEADS, HEAD_DIM)
         kv = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
         backend.forward(q, kv, kv, kv_layer, meta, HEAD_DIM**-0.5, kv_written=True)
+        if not chunks:  # a decode step: also with the RoPE work in the kernel, slots at an offset
+            # of a step buffer as the runner's are (int64 slices 8-byte aligned, odd or even)
+            buffers = torch.zeros(2, 1 + len(decode_lens), dtype=torch.int64)
+            positions, slots = buffers[:, 1:].unbind(0)
+            positions += torch.tensor(decode_lens) - 1
+            slots.fill_(-1)
+            rope = DecodeRope(kv, kv, slots, positions, cos_sin, norm, norm)
+            assert backend.attend_rope(q, kv_layer, meta, HEAD_DIM**-0.5, rope) is not None
     kernels = {name for name, _, _ in specializations}
     assert kernels == {"_paged_decode_kernel", "_paged_decode_reduce_kernel",
                        "_prefill_attention_kernel"}  # fmt: skip

@@ -8,6 +8,7 @@ import torch
 from kernels import reference as ref
 from kernels.paged_decode_attention import (
     DecodeConfig,
+    DecodeRope,
     SplitWorkspace,
     choose_num_splits,
     paged_decode_attention,
@@ -80,3 +81,44 @@ def test_short_context_under_large_bound_spreads():
     assert torch.isfinite(ws.row_max[0, :, :3]).all()  # partitions 0..2 written
     assert torch.isnan(ws.row_max[0, :, 3:]).all()  # the rest exited at once
     assert max_rel_err(out, ref.decode_attention(q, kv_layer, tables, seq_lens, SCALE)) <= 1e-5
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("with_norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_equals_rotary_then_attention(dtype, with_norm, num_splits):
+    """`rope=`: q and the new K normed and rotated, K/V stored, then attention, in one kernel:
+    the same output and the same cache bytes as kernels/rotary.py's kernel followed by the
+    plain decode kernel. Sequences end inside a block, at its last offset and in a partition
+    of their own; a padding row (length 0, slot -1) writes nothing and returns zeros."""
+    from kernels.rotary import rotary_embedding
+
+    dev, head_dim, block_size = test_device(), 32, 4
+    seq_lens = [9, 8, 1, 40, 33, 0]
+    kv_cache, kv_layer, tables = make_paged_kv(seq_lens, 2, head_dim, block_size, dtype, dev)
+    q, k, v = packed_qkv(len(seq_lens), 8, 2, head_dim, dtype, dev, seed=3)
+    positions = torch.tensor([max(n - 1, 0) for n in seq_lens], device=dev)
+    slots = torch.tensor(
+        [int(tables[s, (n - 1) // block_size]) * block_size + (n - 1) % block_size if n else -1
+         for s, n in enumerate(seq_lens)],
+        device=dev,
+    )  # fmt: skip
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    cos_sin = ref.build_cos_sin_cache(inv_freq, 64, torch.float32).to(dtype).to(dev)
+    gen = torch.Generator().manual_seed(1)
+    qw, kw = ((torch.rand(head_dim, generator=gen) + 0.5).to(dtype).to(dev) for _ in range(2))
+    norms = (qw, kw) if with_norm else (None, None)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+    cfg = DecodeConfig(num_splits=num_splits, block_n=16)
+
+    kv_ref = kv_cache.clone()
+    q_ref, k_ref, v_ref = q.clone(), k.clone(), v.clone()
+    rotary_embedding(positions, q_ref, k_ref, cos_sin, *norms, 1e-6, v=v_ref,
+                     kv_layer=kv_ref[:, 1], slot_mapping=slots)  # fmt: skip
+    expect = paged_decode_attention(q_ref, kv_ref[:, 1], tables, lens, 0.3, config=cfg)
+
+    rope = DecodeRope(k, v, slots, positions, cos_sin, *norms, eps=1e-6)
+    got = paged_decode_attention(q, kv_layer, tables, lens, 0.3, config=cfg, rope=rope)
+    assert torch.equal(kv_cache, kv_ref)  # the new K/V bytes, and nothing else written
+    assert torch.equal(got, expect)
+    assert not got[5].any()
