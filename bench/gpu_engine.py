@@ -58,6 +58,7 @@ VARIANTS = {
     # default)
     "no-pdl": {"gemv_pdl": False},
     "no-rope-attention": {"rope_in_attention": False},
+    "no-attention-pdl": {"attention_pdl": False},
     "fp8-no-rope-attention": {"quantization": "fp8", "rope_in_attention": False},
     "fp8-no-pdl": {"quantization": "fp8", "gemv_pdl": False},
 }
@@ -217,15 +218,24 @@ def dummy_llm(path: Path, dtype: str = "bfloat16", **llm_kwargs) -> LLM:
 
 
 def bench_model(
-    name: str, path: Path, ceil: dict, args, gemv_pdl=True, rope_in_attention=True, **llm_kwargs
+    name: str,
+    path: Path,
+    ceil: dict,
+    args,
+    gemv_pdl=True,
+    rope_in_attention=True,
+    attention_pdl=True,
+    **llm_kwargs,
 ) -> dict:
     """`llm_kwargs`: a variant's engine arguments (`VARIANTS`); `gemv_pdl`: kernels.gemv.PDL,
-    `rope_in_attention`: engine.attention_triton.ROPE_IN_ATTENTION (this runs in a process of
-    its own)."""
+    `rope_in_attention`: engine.attention_triton.ROPE_IN_ATTENTION, `attention_pdl`:
+    kernels.paged_decode_attention.PDL (this runs in a process of its own)."""
     import engine.attention_triton
     import kernels.gemv
+    import kernels.paged_decode_attention
 
     kernels.gemv.PDL = gemv_pdl
+    kernels.paged_decode_attention.PDL = attention_pdl
     engine.attention_triton.ROPE_IN_ATTENTION = rope_in_attention
     copy_bps = ceil["copy_GBps"] * 1e9
     t = time.perf_counter()

@@ -26,12 +26,17 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.kv_cache_write import saturate, slot_rows
 from kernels.rotary import rope_rows
 from kernels.utils import check_kv_layer, dot_precision, fp8_max, num_sms
 
 LOG2E = 1.4426950408889634
+# Programmatic dependent launch on sm_90+ for both kernels (what it is: kernels/gemv.py's PDL):
+# each starts while the kernel before it finishes and waits before reading its results.
+# `bench.gpu_engine --variants bf16,no-attention-pdl` times the engine's step without it.
+PDL = True
 MAX_SPLITS = 64  # bounds the workspace and the merge's tile
 # The merge's tile covers every split count (masked): one variant, not one per power of two.
 MERGE_BLOCK_P = triton.next_power_of_2(MAX_SPLITS)
@@ -82,7 +87,7 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr,
-    ROPE: tl.constexpr, HAS_NORM: tl.constexpr, FP8_MAX: tl.constexpr,
+    ROPE: tl.constexpr, HAS_NORM: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -97,6 +102,9 @@ def _paged_decode_kernel(
     else:
         start = 0
         end = seq_len
+    if PDL:  # launched before the kernel ahead finished: only host-written inputs above
+        gdc_launch_dependents()  # the merge (or the next GEMV) may launch now
+        gdc_wait()  # q, the new K/V and everything else the kernels before wrote: after this
 
     offs_h = tl.arange(0, BLOCK_H)
     heads = kvh * GROUP + offs_h
@@ -229,13 +237,16 @@ def _paged_decode_reduce_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr, seq_lens_ptr, num_splits,
     stride_ps, stride_ph, stride_os, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Merge the partitions of one (sequence, q head) that hold tokens: rescale each by
     exp2(m_p - max m). A sequence of length 0 has none and gets zeros."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    if PDL:  # as in the decode kernel: the partials are read after the wait
+        gdc_launch_dependents()
+        gdc_wait()
     num_parts = tl.cdiv(seq_len, _partition_size(seq_len, num_splits, BLOCK_N))
     offs_p = tl.arange(0, BLOCK_P)
     mask_p = offs_p < num_parts
@@ -257,6 +268,10 @@ def _paged_decode_reduce_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=mask_d,
     )
+
+
+def use_pdl(device: torch.device) -> bool:
+    return PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
@@ -388,6 +403,7 @@ def paged_decode_attention(
     else:
         m = l_sum = acc = out  # unused by the single-pass kernel
     block_d = triton.next_power_of_2(head_dim)
+    pdl = use_pdl(q.device)
     r = rope or _NO_ROPE
     has_norm = rope is not None and rope.q_norm_weight is not None
     if rope is not None:
@@ -410,14 +426,14 @@ def paged_decode_attention(
         F16_DOTS=kv_layer.dtype == torch.float8_e4m3fn
         and (cfg.f16_dots if cfg.f16_dots is not None else q.dtype == torch.bfloat16),
         ROPE=rope is not None, HAS_NORM=has_norm,
-        FP8_MAX=fp8_max(kv_layer) if rope is not None else 0.0,
-        num_warps=cfg.num_warps, num_stages=num_stages,
+        FP8_MAX=fp8_max(kv_layer) if rope is not None else 0.0, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     if is_split:
         _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
             m, l_sum, acc, out, seq_lens, num_splits,
             m.stride(0), m.stride(1), out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_P=MERGE_BLOCK_P,
-            BLOCK_D=block_d,
+            BLOCK_D=block_d, PDL=pdl, **({"launch_pdl": True} if pdl else {}),
         )  # fmt: skip
     return out

@@ -61,12 +61,13 @@ def compile_all() -> None:
             cx = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_N=block_n,
                       BLOCK_D=128, IS_SPLIT=split, DOT_PRECISION=prec,
                       F16_DOTS=f16_dots, ROPE=rope, HAS_NORM=rope,
-                      FP8_MAX=448.0 if rope and kv == fp8 else 0.0)  # fmt: skip
+                      FP8_MAX=448.0 if rope and kv == fp8 else 0.0, PDL=rope)  # fmt: skip
             shared = _compile(decode._paged_decode_kernel, types, cx, num_stages=stages)
             assert shared <= H200_SHARED_BYTES, f"decode {cx} needs {shared} B of shared memory"
     types = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr=bf, seq_lens_ptr="*i32")
-    cx = dict(HEAD_DIM=128, BLOCK_N=64, BLOCK_P=64, BLOCK_D=128)
-    _compile(decode._paged_decode_reduce_kernel, types, cx)
+    for pdl in (False, True):
+        cx = dict(HEAD_DIM=128, BLOCK_N=64, BLOCK_P=64, BLOCK_D=128, PDL=pdl)
+        _compile(decode._paged_decode_reduce_kernel, types, cx)
     for kv in (bf, fp8):
         types = dict(ptrs, q_ptr=bf, kv_ptr=kv, out_ptr=bf, query_start_loc_ptr="*i32")
         for cfg in prefill_attention._configs():
