@@ -57,9 +57,9 @@ VARIANTS = {
     # the fused GEMVs launched without programmatic dependent launch (kernels.gemv.PDL, on by
     # default)
     "no-pdl": {"gemv_pdl": False},
-    "no-rope-attention": {"rope_in_attention": False},
-    "no-attention-pdl": {"attention_pdl": False},
-    "fp8-no-rope-attention": {"quantization": "fp8", "rope_in_attention": False},
+    "rope-attention": {"rope_in_attention": True},
+    "rope-attention-pdl": {"rope_in_attention": True, "attention_pdl": True},
+    "fp8-rope-attention": {"quantization": "fp8", "rope_in_attention": True},
     "fp8-no-pdl": {"quantization": "fp8", "gemv_pdl": False},
 }
 
@@ -223,8 +223,8 @@ def bench_model(
     ceil: dict,
     args,
     gemv_pdl=True,
-    rope_in_attention=True,
-    attention_pdl=True,
+    rope_in_attention=False,
+    attention_pdl=False,
     **llm_kwargs,
 ) -> dict:
     """`llm_kwargs`: a variant's engine arguments (`VARIANTS`); `gemv_pdl`: kernels.gemv.PDL,

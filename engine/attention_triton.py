@@ -31,10 +31,11 @@ from kernels.paged_decode_attention import (
 from kernels.prefill_attention import prefill_attention
 from kernels.utils import num_sms
 
-# Decode steps rotate q and store the new K/V inside the attention kernel (`attend_rope`), one
-# launch fewer per layer; False: kernels/rotary.py's kernel first (`gpu_engine --variants
-# bf16,no-rope-attention` times both).
-ROPE_IN_ATTENTION = True
+# True: decode steps rotate q and store the new K/V inside the attention kernel (`attend_rope`),
+# one launch fewer per layer; False: kernels/rotary.py's kernel first. Off until it has run on
+# a GPU: the CPU checks (interpreter, sm_90 compile) pass, no device could be had to test and
+# time it (`gpu_engine --variants bf16,rope-attention`; bench/README.md, 2026-12-08).
+ROPE_IN_ATTENTION = False
 
 
 class TritonPagedAttention(AttentionBackend):

@@ -34,9 +34,10 @@ from kernels.utils import check_kv_layer, dot_precision, fp8_max, num_sms
 
 LOG2E = 1.4426950408889634
 # Programmatic dependent launch on sm_90+ for both kernels (what it is: kernels/gemv.py's PDL):
-# each starts while the kernel before it finishes and waits before reading its results.
-# `bench.gpu_engine --variants bf16,no-attention-pdl` times the engine's step without it.
-PDL = True
+# each starts while the kernel before it finishes and waits before reading its results. Off
+# until it has run on a GPU (`bench.gpu_engine --variants bf16,rope-attention,
+# rope-attention-pdl` times the engine's step each way).
+PDL = False
 MAX_SPLITS = 64  # bounds the workspace and the merge's tile
 # The merge's tile covers every split count (masked): one variant, not one per power of two.
 MERGE_BLOCK_P = triton.next_power_of_2(MAX_SPLITS)

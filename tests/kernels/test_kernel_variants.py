@@ -19,6 +19,7 @@ from triton.compiler.compiler import make_backend
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
+import engine.attention_triton
 from engine import LLM, SamplingParams
 from engine.attention_triton import TritonPagedAttention
 from engine.piecewise_graph import PiecewiseGraphs
@@ -95,7 +96,8 @@ STEPS = [
 ]
 
 
-def test_serving_compiles_no_attention_variant_after_warm_up(specializations):
+def test_serving_compiles_no_attention_variant_after_warm_up(specializations, monkeypatch):
+    monkeypatch.setattr(engine.attention_triton, "ROPE_IN_ATTENTION", True)  # its variants too
     backend = TritonPagedAttention(static_max_seq_len=1024)
     kv_layer = torch.randn(40, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     backend.warm_up(kv_layer, NUM_Q_HEADS, torch.float32, num_tokens=48, qk_norm=True)
