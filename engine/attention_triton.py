@@ -79,6 +79,11 @@ class TritonPagedAttention(AttentionBackend):
         )  # fmt: skip
         return out
 
+    @property
+    def rope_in_attention(self) -> bool:
+        """Whether decode steps should offer `attend_rope` their RoPE work."""
+        return ROPE_IN_ATTENTION
+
     def attend_rope(
         self,
         q: torch.Tensor,

@@ -248,15 +248,14 @@ class Attention(nn.Module):
         """Attention over the qkv rows after the q/k norms, RoPE and the K/V store: in the
         attention kernel where the backend can (`attend_rope`: Triton, decode steps), else the
         RoPE kernel first. Returns [T, Hq, D]."""
-        attend_rope = getattr(backend, "attend_rope", None)
-        if attend_rope is not None:
+        if getattr(backend, "rope_in_attention", False) and meta.max_query_len == 1:
             from kernels.paged_decode_attention import DecodeRope
 
             q, k, v = self.split_qkv(qkv)
             norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else ()
             eps = self.q_norm.eps if self.q_norm is not None else 1e-6
             rope = DecodeRope(k, v, meta.slot_mapping, positions, cos_sin_cache, *norms, eps=eps)
-            o = attend_rope(q, kv_layer, meta, self.scale, rope)
+            o = backend.attend_rope(q, kv_layer, meta, self.scale, rope)
             if o is not None:
                 return o
         q, k, v = self.rope_store(qkv, positions, cos_sin_cache, kv_layer, meta.slot_mapping)

@@ -141,9 +141,9 @@ def test_engine_fused_model_path_matches_torch_path(
     fused_steps = []
     attend_rope = TritonPagedAttention.attend_rope
 
-    def recorded(self, *args, **kwargs):
-        out = attend_rope(self, *args, **kwargs)
-        fused_steps.append(out is not None)
+    def recorded(self, q, kv_layer, meta, *args, **kwargs):
+        out = attend_rope(self, q, kv_layer, meta, *args, **kwargs)
+        fused_steps.append((meta.max_query_len, out is not None))
         return out
 
     monkeypatch.setattr(TritonPagedAttention, "attend_rope", recorded)
@@ -153,7 +153,9 @@ def test_engine_fused_model_path_matches_torch_path(
     llm.engine.runner.model.use_fused_kernels = True
     for _ in range(2):  # fresh, then prefix hits
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expect
-    assert any(fused_steps) == rope_in_attention and not all(fused_steps)  # prefills: never
+    # decode steps only (one query token per sequence), every one of them when on
+    assert fused_steps == [(1, True)] * len(fused_steps)
+    assert bool(fused_steps) == rope_in_attention
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
