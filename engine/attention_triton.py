@@ -58,10 +58,7 @@ class TritonPagedAttention(AttentionBackend):
         if not kv_written:
             kv_cache_write(k, v, kv_layer, meta.slot_mapping)
         if meta.max_query_len == 1:
-            assert q.shape[0] == meta.seq_lens.shape[0], "decode: one query row per sequence"
-            max_seq_len = self.static_max_seq_len or meta.max_seq_len
-            tables, lens = meta.block_tables, meta.seq_lens
-            return self._decode(q, kv_layer, tables, lens, scale, max_seq_len, out)
+            return self._decode_step(q, kv_layer, meta, scale, out)
         d = meta.num_decodes
         if d == 0:
             return prefill_attention(
@@ -97,6 +94,10 @@ class TritonPagedAttention(AttentionBackend):
         not stored yet); None where it does not apply (then nothing has run)."""
         if not ROPE_IN_ATTENTION or meta.max_query_len != 1 or not rope.supports(q.shape[2]):
             return None
+        return self._decode_step(q, kv_layer, meta, scale, out, rope)
+
+    def _decode_step(self, q, kv_layer, meta, scale, out=None, rope=None):
+        """A decode step: every sequence's one query row over its whole context."""
         assert q.shape[0] == meta.seq_lens.shape[0], "decode: one query row per sequence"
         max_seq_len = self.static_max_seq_len or meta.max_seq_len
         tables, lens = meta.block_tables, meta.seq_lens
@@ -138,14 +139,15 @@ class TritonPagedAttention(AttentionBackend):
         prefill_attention(q, kv_layer, tables, qsl, lens, 1.0, max_query_len=num_tokens)
         tables = torch.zeros(2, 1, dtype=torch.int32, device=dev)
         lens = torch.ones(2, dtype=torch.int32, device=dev)
-        num_kv_heads = kv_layer.shape[3]
-        kv = q[:2, :num_kv_heads]
-        rope = DecodeRope(
-            kv, kv, torch.full((2,), -1, device=dev), torch.zeros(2, dtype=torch.int64, device=dev),
-            torch.zeros(1, head_dim, dtype=dtype, device=dev),
-            *(torch.ones(head_dim, dtype=dtype, device=dev),) * (2 if qk_norm else 0),
-        )  # fmt: skip
-        ropes = [None, rope] if ROPE_IN_ATTENTION and rope.supports(head_dim) else [None]
+        ropes: list[DecodeRope | None] = [None]
+        if ROPE_IN_ATTENTION and DecodeRope.supports(head_dim):
+            kv = q[:2, : kv_layer.shape[3]]
+            ropes.append(DecodeRope(
+                kv, kv, torch.full((2,), -1, device=dev),
+                torch.zeros(2, dtype=torch.int64, device=dev),
+                torch.zeros(1, head_dim, dtype=dtype, device=dev),
+                *(torch.ones(head_dim, dtype=dtype, device=dev),) * (2 if qk_norm else 0),
+            ))  # fmt: skip
         for splits, rope in itertools.product((1, 2), ropes):
             workspace = self._workspace(2, num_q_heads, splits, head_dim, q) if splits > 1 else None
             paged_decode_attention(

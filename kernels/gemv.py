@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels.utils import gemm_output, num_sms
+from kernels.utils import gemm_output, has_pdl, num_sms
 
 MAX_M = 2  # rows: each row's programs stream the whole weight again (L2 does not hold it)
 NONE, RMS_NORM, SILU_MUL = 0, 1, 2
@@ -177,7 +177,7 @@ PDL = True
 
 
 def use_pdl(device: torch.device) -> bool:
-    return PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return PDL and has_pdl(device)
 
 
 def default_config(n: int, device: torch.device) -> GemvConfig:

@@ -30,7 +30,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.kv_cache_write import saturate, slot_rows
 from kernels.rotary import rope_rows
-from kernels.utils import check_kv_layer, dot_precision, fp8_max, num_sms
+from kernels.utils import check_kv_layer, dot_precision, fp8_max, has_pdl, num_sms
 
 LOG2E = 1.4426950408889634
 # Programmatic dependent launch on sm_90+ for both kernels (what it is: kernels/gemv.py's PDL):
@@ -191,13 +191,9 @@ def _rope_group(
     if HAS_NORM:
         w1 = tl.load(q_norm_ptr + offs).to(tl.float32)[None, :]
         w2 = tl.load(q_norm_ptr + HALF + offs).to(tl.float32)[None, :]
-        kw1 = tl.load(k_norm_ptr + offs).to(tl.float32)[None, :]
-        kw2 = tl.load(k_norm_ptr + HALF + offs).to(tl.float32)[None, :]
     else:
         w1 = 1.0
         w2 = 1.0
-        kw1 = 1.0
-        kw2 = 1.0
     rows = q_ptr + heads[:, None] * stride_qh + offs[None, :]
     mask = mask_h[:, None]
     q1, q2 = rope_rows(
@@ -205,6 +201,12 @@ def _rope_group(
         cos, sin, w1, w2, eps, HALF, HAS_NORM,
     )  # fmt: skip
     if holds_new_token:
+        if HAS_NORM:
+            kw1 = tl.load(k_norm_ptr + offs).to(tl.float32)[None, :]
+            kw2 = tl.load(k_norm_ptr + HALF + offs).to(tl.float32)[None, :]
+        else:
+            kw1 = 1.0
+            kw2 = 1.0
         k1, k2 = rope_rows(
             tl.load(k_ptr + offs)[None, :], tl.load(k_ptr + HALF + offs)[None, :],
             cos, sin, kw1, kw2, eps, HALF, HAS_NORM,
@@ -272,7 +274,7 @@ def _paged_decode_reduce_kernel(
 
 
 def use_pdl(device: torch.device) -> bool:
-    return PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return PDL and has_pdl(device)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
@@ -328,9 +330,6 @@ class SplitWorkspace:
         kw = dict(dtype=torch.float32, device=device)
         return cls(torch.empty(shape, **kw), torch.empty(shape, **kw),
                    torch.empty((*shape, head_dim), **kw))  # fmt: skip
-
-
-_NO_ROPE = DecodeRope(*(None,) * 5)  # type: ignore[arg-type]  # the kernel's unused arguments
 
 
 def _check_rope(rope: DecodeRope, q: torch.Tensor, kv_layer: torch.Tensor) -> None:
@@ -405,10 +404,10 @@ def paged_decode_attention(
         m = l_sum = acc = out  # unused by the single-pass kernel
     block_d = triton.next_power_of_2(head_dim)
     pdl = use_pdl(q.device)
-    r = rope or _NO_ROPE
-    has_norm = rope is not None and rope.q_norm_weight is not None
-    if rope is not None:
-        _check_rope(rope, q, kv_layer)
+    r = rope
+    has_norm = r is not None and r.q_norm_weight is not None
+    if r is not None:
+        _check_rope(r, q, kv_layer)
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, kv_layer, block_tables, seq_lens, out, m, l_sum, acc,
         scale * LOG2E, num_splits,
@@ -418,7 +417,7 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         m.stride(0) if is_split else 0, m.stride(1) if is_split else 0,
         *((r.k, r.v, r.slot_mapping, r.positions, r.cos_sin_cache) if rope else (q,) * 5),
-        *((r.q_norm_weight, r.k_norm_weight) if has_norm else (q, q)), r.eps,
+        *((r.q_norm_weight, r.k_norm_weight) if has_norm else (q, q)), r.eps if r else 0.0,
         *((r.k.stride(0), r.k.stride(1), r.v.stride(0), r.v.stride(1)) if rope else (0,) * 4),
         r.cos_sin_cache.stride(0) if rope else 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,

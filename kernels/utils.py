@@ -58,6 +58,11 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def has_pdl(device: torch.device) -> bool:
+    """The device can launch kernels with programmatic dependent launch (CUDA, sm_90+)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """`tl.dot` input precision: exact fp32 ("ieee") for fp32 inputs so fp32 tests compare at
     1e-5; for bf16/fp16 the setting is ignored (tensor cores take them natively)."""
